@@ -1,0 +1,294 @@
+"""Run one function on every rank: spawned locally, or one rank per process under torchrun.
+
+``python X/main.py --world_size N`` spawns N processes here. The launching process hosts
+the job's rendezvous store itself (on 127.0.0.1 and an OS-chosen port unless told
+otherwise) and tells the workers to use it exactly as torchrun's agent does
+(``TORCHELASTIC_USE_AGENT_STORE``), so ``init_rpc``/``init_process_group`` with
+``env://`` behave the same under both launchers, every RPC group and process group of the
+job shares one port under its own key prefix, and nothing collides with another job.
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) the
+function simply runs for this process's rank.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ipaddress
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+
+from .device import DEVICE_CHOICES, pick_device, threads_per_process
+
+log = logging.getLogger("distkit")
+
+STORE_TIMEOUT = timedelta(seconds=120)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage dump) and exit with status 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+@dataclass(frozen=True)
+class Worker:
+    """What one process knows about its place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int  # index among the processes on this machine
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    device_preference: str = "auto"
+
+    def device(self, min_gpus: int = 1) -> torch.device:
+        return pick_device(self.device_preference, self.local_rank, min_gpus)
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None,
+                    rpc_timeout: float | None = None) -> None:
+    """The flags every example shares. ``world_size=None``: torchrun or --world_size decides.
+
+    ``rpc_timeout`` (seconds), for the RPC examples, becomes the ``--rpc_timeout`` default:
+    no RPC waits longer for a peer that is gone.
+    """
+    g = parser.add_argument_group("launch")
+    if rpc_timeout is not None:
+        g.add_argument("--rpc_timeout", type=float, default=rpc_timeout,
+                       help="seconds an RPC may take before it fails")
+    g.add_argument("--world_size", type=int, default=world_size,
+                   help="number of processes in the job (under torchrun: torchrun's)")
+    g.add_argument("--master_addr", default=None,
+                   help="address of the machine running rank 0 (default: 127.0.0.1, this machine)")
+    g.add_argument("--master_port", type=int, default=None,
+                   help="rendezvous port on the master (default: a free one chosen by the OS)")
+    g.add_argument("--ranks", default=None, metavar="A-B",
+                   help="ranks this machine runs, for a run over several machines (default: all)")
+    g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="auto uses CUDA (and NCCL) where enough GPUs are visible, else CPU (and gloo)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads per process (default: this machine's cores / its processes)")
+
+
+def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      min_world_size: int = 1, max_world_size: int | None = None) -> None:
+    """Reject bad launch flags with a one-line error before any process starts."""
+    if under_torchrun():
+        env_size = int(os.environ["WORLD_SIZE"])
+        if args.world_size not in (None, env_size):
+            parser.error(f"--world_size {args.world_size} disagrees with torchrun's WORLD_SIZE={env_size}")
+        args.world_size = env_size
+    if args.world_size is None:
+        parser.error("--world_size is required")
+    if args.world_size < min_world_size:
+        parser.error(f"--world_size must be at least {min_world_size}, got {args.world_size}")
+    if max_world_size is not None and args.world_size > max_world_size:
+        parser.error(f"--world_size must be at most {max_world_size}, got {args.world_size}")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        parser.error(f"--master_port must be in 1..65535, got {args.master_port}")
+    if getattr(args, "rpc_timeout", 1) <= 0:
+        parser.error(f"--rpc_timeout must be positive, got {args.rpc_timeout}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    try:
+        ranks = parse_ranks(args.ranks, args.world_size)
+    except ValueError as e:
+        parser.error(str(e))
+    if 0 not in ranks and (args.master_addr is None or args.master_port is None):
+        parser.error("a machine that does not run rank 0 needs --master_addr and --master_port")
+
+
+def parse_ranks(spec: str | None, world_size: int) -> list[int]:
+    """``None`` -> all ranks; ``"2"`` -> [2]; ``"1-3"`` -> [1, 2, 3]."""
+    if spec is None:
+        return list(range(world_size))
+    try:
+        lo, _, hi = spec.partition("-")
+        first, last = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--ranks must look like 2 or 1-3, got {spec!r}") from None
+    if not 0 <= first <= last < world_size:
+        raise ValueError(f"--ranks {spec} is not within 0..{world_size - 1}")
+    return list(range(first, last + 1))
+
+
+def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Namespace) -> dict[int, Any]:
+    """Run ``fn(worker, args)`` on every rank; return ``{rank: what fn returned}``.
+
+    ``fn`` must be a module-level function (it is pickled to spawned processes). If any rank
+    raises or dies, the others are stopped and this process exits with status 1 after
+    printing the failed rank's traceback once.
+    """
+    if under_torchrun():
+        env = os.environ
+        worker = Worker(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+                        int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0)),
+                        args.device)
+        return {worker.rank: _run(fn, worker, args)}
+    return _spawn(fn, args)
+
+
+def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
+    ranks = parse_ranks(args.ranks, args.world_size)
+    addr = args.master_addr or "127.0.0.1"
+    store = None
+    if 0 in ranks:
+        # This process hosts the store, bound to ``addr`` only: a single-machine run is
+        # reachable from loopback alone (c10d's own TCPStore server listens on every interface).
+        listener = socket.create_server((addr, args.master_port or 0))
+        port = listener.getsockname()[1]
+        # the store takes ownership of the socket and closes it when it goes
+        store = dist.TCPStore(addr, port, is_master=True, master_listen_fd=listener.detach(),
+                              wait_for_workers=False, timeout=STORE_TIMEOUT)
+    else:
+        port = args.master_port
+    result_dir = tempfile.mkdtemp(prefix="distkit-")
+    ctx = mp.start_processes(_spawned, args=(fn, args, ranks, addr, port, result_dir),
+                             nprocs=len(ranks), join=False, start_method="spawn")
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        while not ctx.join(timeout=0.5, grace_period=5):
+            pass
+        return {int(p.stem): torch.load(p, weights_only=False)
+                for p in sorted(Path(result_dir).glob("*.pt"))}
+    except mp.ProcessRaisedException as e:
+        body = str(e).split("\n", 2)[-1]  # drop mp's "-- Process i terminated ..." header
+        _die(f"rank {ranks[e.error_index]} failed:\n{body}")
+    except mp.ProcessExitedException as e:
+        how = f"signal {e.signal_name}" if e.signal_name else f"exit status {e.exit_code}"
+        _die(f"rank {ranks[e.error_index]} died ({how}); the job is stopped")
+    except KeyboardInterrupt:
+        _die("interrupted; all workers stopped", status=130)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        _stop(ctx.processes)
+        del store
+        shutil.rmtree(result_dir, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _die(message: str, status: int = 1) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def _stop(processes: list) -> None:
+    """Terminate, then kill, whatever is still running."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _spawned(index: int, fn: Callable, args: argparse.Namespace, ranks: list[int],
+             addr: str, port: int, result_dir: str) -> None:
+    """Entry point of a spawned worker: the environment torchrun would have given it."""
+    _die_with_parent()
+    rank = ranks[index]
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(index),
+                      LOCAL_WORLD_SIZE=str(len(ranks)), TORCHELASTIC_USE_AGENT_STORE="True")
+    if _is_loopback(addr) and "lo" in {name for _, name in socket.if_nameindex()}:
+        # gloo and TensorPipe otherwise pick the interface the hostname resolves to.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+    worker = Worker(rank, args.world_size, index, len(ranks), addr, port, args.device)
+    result = _run(fn, worker, args)
+    if result is not None:
+        torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
+
+
+def _run(fn: Callable, worker: Worker, args: argparse.Namespace) -> Any:
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    # torch.distributed.rpc's own shutdown trips this deprecation; nothing a user can act on
+    warnings.filterwarnings("ignore", message="You are using a Backend")
+    logging.basicConfig(level=logging.INFO, format=f"[rank {worker.rank}] %(message)s",
+                        stream=sys.stdout, force=True)
+    torch.set_num_threads(args.threads or threads_per_process(worker.local_world_size))
+    try:
+        result = fn(worker, args)
+    except BaseException:
+        cleanup(graceful=False)
+        raise
+    cleanup(graceful=True)
+    return result
+
+
+def cleanup(graceful: bool = True) -> None:
+    """Shut down whatever RPC agent or process group is still up.
+
+    After an error the RPC shutdown is not graceful: a graceful one waits for every peer,
+    and a failed job's peers may never answer.
+    """
+    try:
+        rpc.get_worker_info()
+        rpc_up = True
+    except RuntimeError:
+        rpc_up = False
+    if rpc_up:
+        rpc.shutdown(graceful=graceful)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def job_store(prefix: str) -> dist.Store:
+    """A client of the job's rendezvous store, with its own key prefix.
+
+    A second process group (DDP among a subset of an RPC job's ranks) rendezvouses here
+    instead of on a second port: one port per job, no collisions, loopback-only locally.
+    """
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=STORE_TIMEOUT)
+    return dist.PrefixStore(prefix, store)
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the launcher dies, even by SIGKILL, so no worker is orphaned."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass

@@ -1,0 +1,112 @@
+"""Distributed reinforcement learning with RPC and RRef (REINFORCE on CartPole-v1).
+
+Mirrors "Getting Started with Distributed RPC Framework", first half. Roles:
+  rank 0      the agent: owns the policy, drives the episodes, learns (rpc_rl/agent.py)
+  ranks 1..N  observers: each runs its own CartPole-v1 and asks the agent for every action
+
+Run on one machine (spawns the processes, CPU + gloo unless GPUs are visible):
+    python rpc_rl/main.py --world_size 3
+    python rpc_rl/main.py --world_size 2 --max_episodes 50 --log_interval 5
+One rank per process under torchrun works too:
+    torchrun --nproc_per_node 3 rpc_rl/main.py
+The run stops when the running reward passes CartPole's threshold (475), printing
+"Solved!", or after --max_episodes with exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+import torch.distributed.rpc as rpc
+
+import distkit
+from rpc_rl.agent import AGENT_NAME, OBSERVER_NAME, Agent
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = distkit.ArgumentParser(description="RPC Reinforcement Learning Example")
+    parser.add_argument("--log_interval", type=int, default=10, metavar="N",
+                        help="interval between training status logs")
+    parser.add_argument("--gamma", type=float, default=0.99, metavar="G",
+                        help="how much to value future rewards")
+    parser.add_argument("--seed", type=int, default=1, metavar="S",
+                        help="random seed for reproducibility")
+    parser.add_argument("--max_episodes", type=int, default=1000, metavar="E",
+                        help="give up (exit status 1) after this many episodes")
+    parser.add_argument("--reward_threshold", type=float, default=None, metavar="R",
+                        help="stop once the running reward passes R (default: CartPole-v1's 475)")
+    distkit.add_launch_args(parser, world_size=2, rpc_timeout=60)
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    distkit.check_launch_args(parser, args, min_world_size=2)
+    if args.max_episodes < 1:
+        parser.error(f"--max_episodes must be at least 1, got {args.max_episodes}")
+    if args.log_interval < 1:
+        parser.error(f"--log_interval must be at least 1, got {args.log_interval}")
+    if args.reward_threshold is not None and not 0 < args.reward_threshold <= 500:
+        parser.error(f"--reward_threshold must be in (0, 500], got {args.reward_threshold}")
+    if not 0 < args.gamma <= 1:
+        parser.error(f"--gamma must be in (0, 1], got {args.gamma}")
+
+
+def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    """Rank 0 trains as the agent; every other rank waits to serve as an observer."""
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
+    if worker.rank != 0:
+        rpc.init_rpc(OBSERVER_NAME.format(worker.rank), rank=worker.rank,
+                     world_size=worker.world_size, rpc_backend_options=options)
+        # observers passively wait for the agent's instructions; shutdown blocks until
+        # every outstanding RPC of the job has finished
+        rpc.shutdown()
+        return None
+
+    rpc.init_rpc(AGENT_NAME, rank=0, world_size=worker.world_size, rpc_backend_options=options)
+    # the agent samples every action and applies dropout, so its seed fixes the run
+    # (fully so with one observer; several observers' RPCs interleave in any order)
+    torch.manual_seed(args.seed)
+    agent = Agent(worker.world_size, args.gamma, args.seed)
+    if args.reward_threshold is not None:
+        agent.reward_threshold = args.reward_threshold
+    log.info(f"This will run until reward threshold of {agent.reward_threshold} is reached "
+             f"or {args.max_episodes} episodes have run.")
+    history: list[float] = []
+    solved = False
+    for i_episode in range(1, args.max_episodes + 1):
+        agent.run_episode()
+        last_reward = agent.finish_episode()
+        history.append(last_reward)
+        if i_episode % args.log_interval == 0:
+            log.info(f"Episode {i_episode}\tLast reward: {last_reward:.2f}\tAverage reward: "
+                     f"{agent.running_reward:.2f}")
+        if agent.running_reward > agent.reward_threshold:
+            log.info(f"Solved! Running reward is now {agent.running_reward}!")
+            solved = True
+            break
+    rpc.shutdown()
+    return {"solved": solved, "episodes": len(history), "rewards": history,
+            "running_reward": agent.running_reward,
+            "threshold": agent.reward_threshold}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    results = distkit.launch(run_worker, args)
+    agent = results.get(0)
+    if agent is not None and not agent["solved"]:
+        print(f"Not solved: running reward {agent['running_reward']:.2f} is below "
+              f"{agent['threshold']} after {agent['episodes']} episodes "
+              f"(raise --max_episodes)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

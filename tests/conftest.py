@@ -1,0 +1,33 @@
+"""Shared test helpers: every test runs real processes on the CPU with gloo."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Tests must behave the same on a GPU machine: force the CPU and keep the processes of one
+# test from fighting over a small machine's cores.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+
+def run_cli(*argv: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python <argv>`` from the repository root, as a user would; capture its output."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+def run_torchrun(nproc: int, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Launch ``argv`` with ``torchrun --standalone``, one rank per process."""
+    return run_cli("-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   *argv, timeout=timeout)
+
+
+@pytest.fixture
+def cli():
+    return run_cli

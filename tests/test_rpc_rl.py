@@ -1,0 +1,140 @@
+"""rpc_rl: the REINFORCE update, the agent/observer bookkeeping, determinism, launchers."""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+from torch.distributions import Categorical
+
+import distkit
+from conftest import run_cli, run_torchrun
+from rpc_rl.agent import AGENT_NAME, Agent, discounted_returns
+from rpc_rl.main import build_parser, check_args, run_worker
+
+
+def make_args(*argv: str) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    check_args(parser, args)
+    return args
+
+
+def test_discounted_returns_by_hand():
+    torch.testing.assert_close(discounted_returns([1.0, 1.0, 1.0], 0.9),
+                               torch.tensor([2.71, 1.9, 1.0]))
+
+
+def _finish_episode_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """An agent with no observers; feed it two observers' episodes by hand."""
+    rpc.init_rpc(AGENT_NAME, rank=0, world_size=1)
+    torch.manual_seed(0)
+    agent = Agent(world_size=1, gamma=0.9)
+    agent.policy.eval()  # no dropout: the reference can recompute the same probabilities
+    before = copy.deepcopy(agent.policy)
+    gen = torch.Generator().manual_seed(1)
+    episodes = {7: [1.0, 1.0, 1.0], 8: [1.0, 0.5]}
+    states, actions = [], []
+    for ob_id, rewards in episodes.items():
+        agent.rewards[ob_id], agent.saved_log_probs[ob_id] = [], []
+        for r in rewards:
+            state = torch.randn(4, generator=gen).numpy()
+            actions.append(agent.select_action(ob_id, state))
+            states.append(state)
+            agent.report_reward(ob_id, r)
+    min_reward = agent.finish_episode()
+    rpc.shutdown()
+    return {"loss": agent.last_loss, "min_reward": min_reward, "before": before,
+            "after": agent.policy, "states": np.stack(states), "actions": actions,
+            "running_reward": agent.running_reward, "left": sum(map(len, agent.rewards.values()))}
+
+
+def test_finish_episode_matches_hand_computation():
+    args = make_args()
+    args.world_size = 1  # the agent alone
+    out = distkit.launch(_finish_episode_worker, args)[0]
+    # returns per observer, by hand: [1 + .9 + .81, 1 + .9, 1] and [1 + .9 * .5, .5]
+    returns = torch.tensor([2.71, 1.9, 1.0, 1.45, 0.5])
+    returns = (returns - returns.mean()) / (returns.std() + np.finfo(np.float32).eps)
+    ref = out["before"]
+    probs = ref(torch.from_numpy(out["states"]).float())
+    log_probs = Categorical(probs).log_prob(torch.tensor(out["actions"]))
+    loss = -(log_probs * returns).sum()
+    torch.testing.assert_close(out["loss"], loss.item())
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    loss.backward()
+    opt.step()
+    for (name, p_ref), p in zip(ref.named_parameters(), out["after"].parameters()):
+        torch.testing.assert_close(p, p_ref, msg=lambda m: f"{name}: {m}")
+    assert out["min_reward"] == 1.5  # observer 8 earned 1.5, observer 7 earned 3
+    assert out["running_reward"] == pytest.approx(0.05 * 1.5)
+    assert out["left"] == 0  # the episode's rewards were cleared
+
+
+def _bookkeeping_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    if worker.rank != 0:
+        return run_worker(worker, args)  # an observer, exactly as in the example
+    rpc.init_rpc(AGENT_NAME, rank=0, world_size=worker.world_size)
+    torch.manual_seed(args.seed)
+    agent = Agent(worker.world_size, args.gamma, args.seed)
+    before = [p.detach().clone() for p in agent.policy.parameters()]
+    episodes = []
+    for _ in range(3):
+        steps = agent.run_episode()
+        episodes.append({ob: (steps[ob], len(agent.rewards[ob]), len(agent.saved_log_probs[ob]))
+                         for ob in agent.rewards})
+        agent.finish_episode()
+    after = [p.detach().clone() for p in agent.policy.parameters()]
+    rpc.shutdown()
+    return {"episodes": episodes, "before": before, "after": after}
+
+
+def test_two_observers_report_every_step_and_policy_learns():
+    out = distkit.launch(_bookkeeping_worker, make_args("--world_size", "3"))[0]
+    for episode in out["episodes"]:
+        assert sorted(episode) == [1, 2]  # both observers played
+        for steps, n_rewards, n_log_probs in episode.values():
+            assert steps >= 1
+            assert n_rewards == n_log_probs == steps
+    changed = [not torch.equal(b, a) for b, a in zip(out["before"], out["after"])]
+    assert all(changed), "every policy parameter should move after three updates"
+
+
+def test_one_observer_fixed_seed_is_reproducible():
+    argv = ("--world_size", "2", "--max_episodes", "4", "--log_interval", "100")
+    first = distkit.launch(run_worker, make_args(*argv, "--seed", "3"))[0]["rewards"]
+    second = distkit.launch(run_worker, make_args(*argv, "--seed", "3"))[0]["rewards"]
+    other = distkit.launch(run_worker, make_args(*argv, "--seed", "4"))[0]["rewards"]
+    assert len(first) == 4
+    assert first == second
+    assert first != other
+
+
+def test_cli_stops_at_max_episodes_with_clear_message():
+    proc = run_cli("rpc_rl/main.py", "--world_size", "2", "--max_episodes", "2", "--log_interval", "1")
+    assert proc.returncode == 1, proc.stderr
+    assert "Episode 2\tLast reward:" in proc.stdout
+    assert "Not solved" in proc.stderr
+
+
+def test_torchrun_launch_solves_easy_threshold():
+    proc = run_torchrun(2, "rpc_rl/main.py", "--reward_threshold", "0.5", "--max_episodes", "5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Solved! Running reward is now" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world_size", "1"], "--world_size must be at least 2"),
+    (["--max_episodes", "-3"], "--max_episodes must be at least 1"),
+    (["--gamma", "0"], "--gamma must be in (0, 1]"),
+    (["--gamma", "1.5"], "--gamma must be in (0, 1]"),
+    (["--world_size", "three"], "invalid int value"),
+])
+def test_bad_input_is_one_line_exit_2(argv, message):
+    proc = run_cli("rpc_rl/main.py", *argv, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert "[rank" not in proc.stdout  # nothing was spawned
