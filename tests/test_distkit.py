@@ -1,0 +1,108 @@
+"""distkit: rank ranges, device choice, and a job that fails ending cleanly and loudly."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distkit
+
+
+def launch_args(*argv: str, world_size: int = 2) -> argparse.Namespace:
+    parser = distkit.ArgumentParser()
+    distkit.add_launch_args(parser, world_size=world_size)
+    parser.add_argument("--pid_dir", default=None)
+    args = parser.parse_args(list(argv))
+    distkit.check_launch_args(parser, args, min_world_size=1)
+    return args
+
+
+def test_parse_ranks():
+    assert distkit.parse_ranks(None, 3) == [0, 1, 2]
+    assert distkit.parse_ranks("2", 4) == [2]
+    assert distkit.parse_ranks("1-3", 4) == [1, 2, 3]
+    for bad in ("3-1", "0-4", "x", "-1"):
+        with pytest.raises(ValueError):
+            distkit.parse_ranks(bad, 4)
+
+
+def test_cpu_is_chosen_without_gpus():
+    assert distkit.pick_device("cpu") == torch.device("cpu")
+    assert distkit.pick_device("auto", min_gpus=10**6) == torch.device("cpu")
+    assert distkit.backend_for(torch.device("cpu")) == "gloo"
+    assert distkit.backend_for(torch.device("cuda", 1)) == "nccl"
+
+
+def _collective_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    # a process group and a second, prefixed group on the same store: both must rendezvous
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(worker.rank + 1)])
+    dist.all_reduce(t)
+    return {"sum": t.item(), "threads": torch.get_num_threads(), "world": worker.world_size}
+
+
+def test_launch_runs_every_rank_and_returns_results():
+    out = distkit.launch(_collective_worker, launch_args("--world_size", "3", "--threads", "1"))
+    assert sorted(out) == [0, 1, 2]
+    assert all(r == {"sum": 6.0, "threads": 1, "world": 3} for r in out.values())
+
+
+def _failing_worker(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    with open(os.path.join(args.pid_dir, f"{worker.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    if worker.rank == 1:
+        if args.how == "raise":
+            raise ValueError("boom from rank 1")
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.init_process_group("gloo")  # rank 0 would wait here for rank 1 forever
+    dist.barrier()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how, message", [("raise", "rank 1 failed"),
+                                          ("kill", "rank 1 died (signal SIGKILL)")])
+def test_failed_rank_stops_the_job_loudly(how, message, tmp_path, capsys):
+    args = launch_args("--pid_dir", str(tmp_path))
+    args.how = how
+    with pytest.raises(SystemExit) as exc:
+        distkit.launch(_failing_worker, args)
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert message in err
+    if how == "raise":
+        assert err.count("ValueError: boom from rank 1") == 1  # the traceback, once
+        assert "Traceback" in err
+    # no worker is left behind
+    for pid_file in tmp_path.glob("*.pid"):
+        pid = int(pid_file.read_text())
+        deadline = time.time() + 10
+        while time.time() < deadline and _alive(pid):
+            time.sleep(0.1)
+        assert not _alive(pid), f"worker {pid_file.stem} survived"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world_size", "0"], "--world_size must be at least 1"),
+    (["--master_port", "70000"], "--master_port must be in 1..65535"),
+    (["--ranks", "1-2"], "--ranks 1-2 is not within 0..1"),
+    (["--ranks", "1"], "needs --master_addr and --master_port"),
+])
+def test_bad_launch_flags_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        launch_args(*argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
