@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Run every example once in its quick CPU configuration (a few minutes on 2 cores).
+# Stops at the first example that fails. PYTHON overrides the interpreter.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+
+run() { echo; echo "=== $*"; "$@"; }
+
+run "$PY" rpc_rl/main.py --world_size 3 --reward_threshold 100
