@@ -87,6 +87,8 @@ class Agent:
     ``RRef`` per remote ``Observer``; it never holds an observer object itself.
     """
 
+    observer_cls: type[Observer] = Observer  # what it creates on every observer rank
+
     def __init__(self, world_size: int, gamma: float = 0.99, seed: int = 1) -> None:
         self.ob_rrefs: list[RRef] = []
         self.agent_rref = RRef(self)
@@ -102,7 +104,7 @@ class Agent:
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
             # each observer gets its own seed, so they do not all replay one episode
-            self.ob_rrefs.append(remote(ob_info, Observer, args=(seed + ob_rank,)))
+            self.ob_rrefs.append(remote(ob_info, self.observer_cls, args=(seed + ob_rank,)))
             self.rewards[ob_info.id] = []
             self.saved_log_probs[ob_info.id] = []
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 import torch
 import torch.distributed.rpc as rpc
 
 import distkit
 from rpc_rl.agent import AGENT_NAME, OBSERVER_NAME, Agent
+from rpc_rl.batched import BatchAgent
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="give up (exit status 1) after this many episodes")
     parser.add_argument("--reward_threshold", type=float, default=None, metavar="R",
                         help="stop once the running reward passes R (default: CartPole-v1's 475)")
+    parser.add_argument("--batch", action="store_true",
+                        help="one RPC per step and one batched policy forward for all observers "
+                             "(rpc_rl/batched.py) instead of the tutorial's two RPCs per step")
     distkit.add_launch_args(parser, world_size=2, rpc_timeout=60)
     return parser
 
@@ -70,15 +75,15 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     # the agent samples every action and applies dropout, so its seed fixes the run
     # (fully so with one observer; several observers' RPCs interleave in any order)
     torch.manual_seed(args.seed)
-    agent = Agent(worker.world_size, args.gamma, args.seed)
+    agent = (BatchAgent if args.batch else Agent)(worker.world_size, args.gamma, args.seed)
     if args.reward_threshold is not None:
         agent.reward_threshold = args.reward_threshold
     log.info(f"This will run until reward threshold of {agent.reward_threshold} is reached "
              f"or {args.max_episodes} episodes have run.")
     history: list[float] = []
-    solved = False
+    solved, steps, start = False, 0, time.perf_counter()
     for i_episode in range(1, args.max_episodes + 1):
-        agent.run_episode()
+        steps += sum(agent.run_episode().values())
         last_reward = agent.finish_episode()
         history.append(last_reward)
         if i_episode % args.log_interval == 0:
@@ -88,10 +93,11 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
             log.info(f"Solved! Running reward is now {agent.running_reward}!")
             solved = True
             break
+    seconds = time.perf_counter() - start
     rpc.shutdown()
     return {"solved": solved, "episodes": len(history), "rewards": history,
-            "running_reward": agent.running_reward,
-            "threshold": agent.reward_threshold}
+            "running_reward": agent.running_reward, "threshold": agent.reward_threshold,
+            "env_steps": steps, "seconds": seconds, "policy": agent.policy.state_dict()}
 
 
 def main(argv: list[str] | None = None) -> int:

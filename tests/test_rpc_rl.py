@@ -13,6 +13,7 @@ from torch.distributions import Categorical
 import distkit
 from conftest import run_cli, run_torchrun
 from rpc_rl.agent import AGENT_NAME, Agent, discounted_returns
+from rpc_rl.batched import BatchAgent
 from rpc_rl.main import build_parser, check_args, run_worker
 
 
@@ -79,7 +80,7 @@ def _bookkeeping_worker(worker: distkit.Worker, args: argparse.Namespace) -> dic
         return run_worker(worker, args)  # an observer, exactly as in the example
     rpc.init_rpc(AGENT_NAME, rank=0, world_size=worker.world_size)
     torch.manual_seed(args.seed)
-    agent = Agent(worker.world_size, args.gamma, args.seed)
+    agent = (BatchAgent if args.batch else Agent)(worker.world_size, args.gamma, args.seed)
     before = [p.detach().clone() for p in agent.policy.parameters()]
     episodes = []
     for _ in range(3):
@@ -92,10 +93,12 @@ def _bookkeeping_worker(worker: distkit.Worker, args: argparse.Namespace) -> dic
     return {"episodes": episodes, "before": before, "after": after}
 
 
-def test_two_observers_report_every_step_and_policy_learns():
-    out = distkit.launch(_bookkeeping_worker, make_args("--world_size", "3"))[0]
+@pytest.mark.parametrize("argv", [("--world_size", "3"), ("--world_size", "5", "--batch")])
+def test_observers_report_every_step_and_policy_learns(argv):
+    out = distkit.launch(_bookkeeping_worker, make_args(*argv))[0]
+    n_obs = int(argv[1]) - 1
     for episode in out["episodes"]:
-        assert sorted(episode) == [1, 2]  # both observers played
+        assert sorted(episode) == list(range(1, n_obs + 1))  # every observer played
         for steps, n_rewards, n_log_probs in episode.values():
             assert steps >= 1
             assert n_rewards == n_log_probs == steps
@@ -111,6 +114,16 @@ def test_one_observer_fixed_seed_is_reproducible():
     assert len(first) == 4
     assert first == second
     assert first != other
+
+
+def test_batched_mode_learns_exactly_like_the_tutorial_with_one_observer():
+    # one observer: the batch is one state, so the same seed must give the same episodes
+    argv = ("--world_size", "2", "--max_episodes", "4", "--log_interval", "100", "--seed", "5")
+    faithful = distkit.launch(run_worker, make_args(*argv))[0]
+    batched = distkit.launch(run_worker, make_args(*argv, "--batch"))[0]
+    assert batched["rewards"] == faithful["rewards"]
+    for name, p in faithful["policy"].items():
+        torch.testing.assert_close(batched["policy"][name], p, msg=lambda m: f"{name}: {m}")
 
 
 def test_cli_stops_at_max_episodes_with_clear_message():
