@@ -1,0 +1,143 @@
+"""ddp_rpc: one DDP+RPC iteration equals the single-process maths; trainers stay in sync."""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import distkit
+from conftest import run_cli, run_torchrun
+from ddp_rpc.main import build_parser, check_args, main, run_worker
+from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch
+
+MASTER = 2  # ranks 0 and 1 train, 2 is the master, 3 the parameter server
+
+
+def make_args(*argv: str) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    check_args(parser, args)
+    return args
+
+
+def test_batches_are_seeded_valid_bags_and_differ_per_trainer():
+    config = TrainConfig(batches_per_epoch=3, batch_size=7, seed=5)
+    first = list(get_next_batch(0, config))
+    assert len(first) == 3
+    for indices, offsets, target in first:
+        assert offsets.shape == target.shape == (7,)
+        assert offsets[0] == 0 and bool((offsets.diff() >= 1).all())
+        assert offsets[-1] < len(indices)  # the last bag is not empty
+        assert 0 <= indices.min() and indices.max() < NUM_EMBEDDINGS
+        assert 0 <= target.min() and target.max() < NUM_CLASSES
+    again = list(get_next_batch(0, config))  # every epoch replays the same batches
+    other = list(get_next_batch(1, config))
+    for a, b, c in zip(first, again, other):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert not torch.equal(a[2], c[2])
+
+
+def _reference_step(emb_before, fc_before, batches, lr):
+    """One process, no RPC, no DDP: the gradient each trainer's batch gives, and the update
+    the tutorial's scheme should apply (fc: averaged by DDP; table: one SGD step per trainer)."""
+    emb = torch.nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum")
+    with torch.no_grad():
+        emb.weight.copy_(emb_before)
+    fc = torch.nn.Linear(EMBEDDING_DIM, NUM_CLASSES)
+    fc.load_state_dict(fc_before)
+    losses, grad_emb, grad_fc = [], [], []
+    for indices, offsets, target in batches:
+        e, f = copy.deepcopy(emb), copy.deepcopy(fc)
+        loss = F.cross_entropy(f(e(indices, offsets)), target)
+        loss.backward()
+        losses.append(loss.item())
+        grad_emb.append(e.weight.grad)
+        grad_fc.append({name: p.grad for name, p in f.named_parameters()})
+    emb_after = emb_before - lr * torch.stack(grad_emb).sum(0)
+    fc_after = {name: fc_before[name] - lr * torch.stack([g[name] for g in grad_fc]).mean(0)
+                for name in fc_before}
+    return losses, grad_fc, emb_after, fc_after
+
+
+def test_one_iteration_matches_single_process_maths():
+    args = make_args("--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "6",
+                     "--seed", "3", "--lr", "0.5")
+    out = distkit.launch(run_worker, args)[MASTER]
+    config, reports = out["config"], out["trainers"]
+    assert [r.rank for r in reports] == [0, 1] and config.lr == 0.5
+    # DDP broadcast rank 0's fc at construction (each trainer seeded its own differently)
+    for name, p in reports[0].fc_before.items():
+        torch.testing.assert_close(reports[1].fc_before[name], p, rtol=0, atol=0)
+
+    batches = [next(get_next_batch(r.rank, config)) for r in reports]
+    losses, grad_fc, emb_after, fc_after = _reference_step(
+        out["emb_before"], reports[0].fc_before, batches, config.lr)
+    # the two trainers' gradients differ, so averaging them (DDP) is visible
+    assert not torch.allclose(grad_fc[0]["weight"], grad_fc[1]["weight"])
+
+    for r, loss in zip(reports, losses):
+        torch.testing.assert_close(r.losses, [[loss]])
+        for name, p in fc_after.items():
+            torch.testing.assert_close(r.fc_after[name], p, msg=lambda m: f"trainer{r.rank} fc.{name}: {m}")
+    torch.testing.assert_close(out["emb_after"], emb_after)
+
+
+def test_training_keeps_trainers_in_sync_and_lowers_loss():
+    args = make_args("--epochs", "4", "--batches_per_epoch", "3", "--batch_size", "8", "--seed", "1")
+    out = distkit.launch(run_worker, args)[MASTER]
+    first, second = out["trainers"]
+    for name, p in first.fc_after.items():
+        torch.testing.assert_close(second.fc_after[name], p, rtol=0, atol=0)  # DDP kept them in sync
+        assert not torch.equal(p, first.fc_before[name])
+    assert not torch.equal(out["emb_after"], out["emb_before"])
+    for r in (first, second):
+        assert len(r.losses) == 4 and all(len(epoch) == 3 for epoch in r.losses)
+        assert sum(r.losses[-1]) < sum(r.losses[0]), r.losses  # same batches every epoch: learnt
+
+
+def test_cli_default_run_prints_loss_per_epoch():
+    proc = run_cli("ddp_rpc/main.py", timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        for epoch in range(10):
+            assert f"[rank {rank}] Training done for epoch {epoch}: loss " in proc.stdout
+    assert "fc identical on all trainers: True" in proc.stdout
+
+
+def test_torchrun_launch():
+    proc = run_torchrun(4, "ddp_rpc/main.py", "--epochs", "2", "--batches_per_epoch", "2",
+                        timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[rank 1] Training done for epoch 1: loss " in proc.stdout
+    assert "fc identical on all trainers: True" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world_size", "2"], "--world_size must be at least 3"),
+    (["--epochs", "ten"], "invalid int value"),
+])
+def test_bad_input_is_one_line_exit_2(argv, message):
+    proc = run_cli("ddp_rpc/main.py", *argv, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert "[rank" not in proc.stdout  # nothing was spawned
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--batches_per_epoch", "0"], "--batches_per_epoch must be at least 1"),
+    (["--batch_size", "-4"], "--batch_size must be at least 1"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--seed", "-1"], "--seed must be non-negative"),
+    (["--device", "cuda"], "--device cuda needs a GPU per trainer"),  # tests hide the GPUs
+])
+def test_bad_values_rejected_before_launch(argv, message, capsys):
+    # in-process (the same parser.error path as above, without paying a Python start-up)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.count("\n") == 1 and message in err, err
