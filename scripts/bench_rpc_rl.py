@@ -1,0 +1,145 @@
+"""Benchmark rpc_rl: RPC round trip, environment steps/s (tutorial vs --batch), episodes to solve.
+
+    python scripts/bench_rpc_rl.py --quick                      # about a minute on 2 cores
+    python scripts/bench_rpc_rl.py --plot results/rpc_rl.png    # full: solves at 475, several sizes
+
+The tutorial's observer makes two RPCs per environment step, so one observer can step at
+most 1 / (2 x round-trip) times a second; --batch makes one. The table puts each measured
+rate beside that bound.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed.rpc as rpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import distkit  # noqa: E402
+from benchlib import describe_machine, format_table, median, save_plot  # noqa: E402
+from rpc_rl.main import build_parser as rl_parser, check_args as rl_check, run_worker  # noqa: E402
+
+
+def _noop() -> None:
+    return None
+
+
+def rtt_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float] | None:
+    """Rank 0 times ``rpc_sync`` calls of a no-op on rank 1."""
+    rpc.init_rpc(f"w{worker.rank}", rank=worker.rank, world_size=2)
+    times = None
+    if worker.rank == 0:
+        for _ in range(20):  # warm-up: connections, thread pool
+            rpc.rpc_sync("w1", _noop)
+        times = []
+        for _ in range(args.rtt_calls):
+            start = time.perf_counter()
+            rpc.rpc_sync("w1", _noop)
+            times.append(time.perf_counter() - start)
+    rpc.shutdown()
+    return times
+
+
+def rl_run(world_size: int, batch: bool, max_episodes: int, threshold: float, seed: int) -> dict:
+    parser = rl_parser()
+    argv = ["--world_size", str(world_size), "--max_episodes", str(max_episodes),
+            "--reward_threshold", str(threshold), "--log_interval", str(10**6), "--seed", str(seed)]
+    args = parser.parse_args(argv + (["--batch"] if batch else []))
+    rl_check(parser, args)
+    return distkit.launch(run_worker, args)[0]
+
+
+def running_rewards(min_rewards: list[float]) -> list[float]:
+    """The agent's running reward after each episode (0.05 of each episode's minimum)."""
+    r, out = 0.0, []
+    for m in min_rewards:
+        r = 0.05 * m + 0.95 * r
+        out.append(r)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
+    p.add_argument("--world_sizes", type=int, nargs="+", default=None,
+                   help="processes per run: 1 agent + observers (default 2 3 5; quick 2 5)")
+    p.add_argument("--speed_episodes", type=int, default=None, help="episodes per speed run (default 30; quick 8)")
+    p.add_argument("--solve_sizes", type=int, nargs="*", default=None,
+                   help="world sizes to train until solved (default 2 3 5; quick 3)")
+    p.add_argument("--threshold", type=float, default=None, help="solved at this running reward (default 475; quick 100)")
+    p.add_argument("--max_episodes", type=int, default=1000, help="give up a solve run here")
+    p.add_argument("--rtt_calls", type=int, default=500, help="timed RPC round trips")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--plot", default=None, help="write the running-reward curves here (PNG)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    q = args.quick
+    sizes = args.world_sizes or ([2, 5] if q else [2, 3, 5])
+    speed_episodes = args.speed_episodes or (8 if q else 30)
+    solve_sizes = args.solve_sizes if args.solve_sizes is not None else ([3] if q else [2, 3, 5])
+    threshold = args.threshold or (100.0 if q else 475.0)
+    if min(sizes + solve_sizes + [2]) < 2 or speed_episodes < 1 or args.rtt_calls < 1:
+        parser.error("world sizes must be >= 2, episodes and calls >= 1")
+    print(describe_machine(max(sizes + solve_sizes)))
+
+    rtt_args = argparse.Namespace(world_size=2, ranks=None, master_addr=None, master_port=None,
+                                  device="cpu", threads=None, rtt_calls=args.rtt_calls)
+    rtt = median(distkit.launch(rtt_worker, rtt_args)[0])
+    print(f"# RPC round trip (median of {args.rtt_calls} no-op rpc_sync): {rtt * 1e3:.3f} ms"
+          f" -> at most {1 / (2 * rtt):.0f} steps/s per observer with 2 RPCs a step,"
+          f" {1 / rtt:.0f} with 1\n")
+
+    rows = []
+    for ws in sizes:
+        base = None
+        for batch in (False, True):
+            r = rl_run(ws, batch, speed_episodes, 500.0, args.seed)  # 500: never "solved"
+            rate = r["env_steps"] / r["seconds"]
+            base = base or rate
+            bound = (ws - 1) / ((1 if batch else 2) * rtt)
+            rows.append({"table": "speed", "world_size": ws, "observers": ws - 1,
+                         "mode": "batch" if batch else "tutorial", "episodes": r["episodes"],
+                         "env_steps": r["env_steps"], "steps/s": rate, "speed-up": rate / base,
+                         "rpc bound steps/s": bound, "of bound": rate / bound})
+    print(format_table(["world_size", "observers", "mode", "episodes", "env_steps", "steps/s",
+                        "speed-up", "rpc bound steps/s", "of bound"], rows))
+
+    curves = {}
+    solve_rows = []
+    for ws in solve_sizes:
+        for batch in (False, True):
+            r = rl_run(ws, batch, args.max_episodes, threshold, args.seed)
+            mode = "batch" if batch else "tutorial"
+            curves[f"{ws - 1} obs, {mode}"] = running_rewards(r["rewards"])
+            solve_rows.append({"table": "solve", "world_size": ws, "mode": mode,
+                               "solved": r["solved"], "episodes": r["episodes"],
+                               "seconds": r["seconds"], "steps/s": r["env_steps"] / r["seconds"]})
+    if solve_rows:
+        print(f"\n# training until the running reward passes {threshold:g} "
+              f"(at most {args.max_episodes} episodes)")
+        print(format_table(["world_size", "mode", "solved", "episodes", "seconds", "steps/s"], solve_rows))
+
+    def draw(ax):
+        for label, curve in curves.items():
+            ax.plot(range(1, len(curve) + 1), curve, label=label)
+        ax.axhline(threshold, color="grey", linestyle=":", label=f"threshold {threshold:g}")
+        ax.set_xlabel("episode")
+        ax.set_ylabel("running reward")
+        ax.set_title("rpc_rl: CartPole-v1 running reward")
+        ax.legend()
+
+    save_plot(args.plot, draw)
+    all_rows = rows + solve_rows
+    assert all(math.isfinite(r["steps/s"]) for r in all_rows)
+    return all_rows
+
+
+if __name__ == "__main__":
+    main()
