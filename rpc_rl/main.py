@@ -10,12 +10,15 @@ Run on one machine (spawns the processes, CPU + gloo unless GPUs are visible):
 One rank per process under torchrun works too:
     torchrun --nproc_per_node 3 rpc_rl/main.py
 The run stops when the running reward passes CartPole's threshold (475), printing
-"Solved!", or after --max_episodes with exit status 1.
+"Solved!", or after --max_episodes with exit status 1. Keep and watch the result:
+    python rpc_rl/main.py --world_size 3 --save policy.pt
+    python rpc_rl/main.py --play policy.pt
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -25,6 +28,7 @@ import torch.distributed.rpc as rpc
 import distkit
 from rpc_rl.agent import AGENT_NAME, OBSERVER_NAME, Agent
 from rpc_rl.batched import BatchAgent
+from rpc_rl.play import load_policy, play, save_policy
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", action="store_true",
                         help="one RPC per step and one batched policy forward for all observers "
                              "(rpc_rl/batched.py) instead of the tutorial's two RPCs per step")
+    parser.add_argument("--save", default=None, metavar="PATH",
+                        help="write the trained policy here when training ends")
+    parser.add_argument("--play", default=None, metavar="PATH",
+                        help="load a saved policy and play --play_episodes episodes here, no RPC")
+    parser.add_argument("--play_episodes", type=int, default=5, metavar="N",
+                        help="episodes to play with --play")
     distkit.add_launch_args(parser, world_size=2, rpc_timeout=60)
     return parser
 
@@ -58,6 +68,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--reward_threshold must be in (0, 500], got {args.reward_threshold}")
     if not 0 < args.gamma <= 1:
         parser.error(f"--gamma must be in (0, 1], got {args.gamma}")
+    if args.play_episodes < 1:
+        parser.error(f"--play_episodes must be at least 1, got {args.play_episodes}")
+    if args.play is not None and not os.path.isfile(args.play):
+        parser.error(f"--play {args.play}: no such file")
+    if args.save is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
+        parser.error(f"--save {args.save}: its directory does not exist")
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
@@ -94,6 +110,9 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
             solved = True
             break
     seconds = time.perf_counter() - start
+    if args.save:
+        save_policy(agent.policy, args.save, episodes=len(history), running_reward=agent.running_reward)
+        log.info(f"Policy saved to {args.save}")
     rpc.shutdown()
     return {"solved": solved, "episodes": len(history), "rewards": history,
             "running_reward": agent.running_reward, "threshold": agent.reward_threshold,
@@ -104,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    if args.play:
+        try:
+            policy = load_policy(args.play)
+        except ValueError as e:
+            parser.error(str(e))
+        for i, reward in enumerate(play(policy, args.play_episodes, args.seed), 1):
+            print(f"Episode {i}\tReward: {reward:.0f}")
+        return 0
     results = distkit.launch(run_worker, args)
     agent = results.get(0)
     if agent is not None and not agent["solved"]:

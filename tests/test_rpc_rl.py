@@ -12,9 +12,10 @@ from torch.distributions import Categorical
 
 import distkit
 from conftest import run_cli, run_torchrun
-from rpc_rl.agent import AGENT_NAME, Agent, discounted_returns
+from rpc_rl.agent import AGENT_NAME, Agent, Policy, discounted_returns
 from rpc_rl.batched import BatchAgent
 from rpc_rl.main import build_parser, check_args, run_worker
+from rpc_rl.play import load_policy, play, save_policy
 
 
 def make_args(*argv: str) -> argparse.Namespace:
@@ -151,3 +152,27 @@ def test_bad_input_is_one_line_exit_2(argv, message):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert "[rank" not in proc.stdout  # nothing was spawned
+
+
+def test_save_then_play(tmp_path):
+    path = tmp_path / "policy.pt"
+    out = distkit.launch(run_worker, make_args("--world_size", "2", "--max_episodes", "3",
+                                               "--log_interval", "100", "--save", str(path)))[0]
+    saved = load_policy(str(path))
+    for name, p in out["policy"].items():
+        torch.testing.assert_close(saved.state_dict()[name], p)  # what the agent trained
+    proc = run_cli("rpc_rl/main.py", "--play", str(path), "--play_episodes", "3", "--seed", "7")
+    assert proc.returncode == 0, proc.stderr
+    printed = [float(line.split("Reward: ")[1]) for line in proc.stdout.splitlines()]
+    assert printed == play(saved, 3, seed=7)  # greedy play is deterministic
+    assert all(r >= 1 for r in printed)
+
+
+def test_play_refuses_a_truncated_file(tmp_path):
+    good = tmp_path / "good.pt"
+    save_policy(Policy(), str(good))
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(good.read_bytes()[:100])
+    proc = run_cli("rpc_rl/main.py", "--play", str(bad), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "is not a saved rpc_rl policy" in proc.stderr
