@@ -41,11 +41,20 @@ log = logging.getLogger("distkit")
 STORE_TIMEOUT = timedelta(seconds=120)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except the unset ones (their help says what happens instead)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line (no usage dump) and exit with status 2."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
