@@ -1,0 +1,282 @@
+"""Failure behaviour of every example: fail fast and loudly, leave nothing behind, stay local.
+
+Each example is started as a user would (``python X/main.py ...`` in its own process
+group), left to train, and then broken: a worker killed with SIGKILL, the launcher sent
+SIGTERM or SIGINT, a worker that raises, a peer that stops answering RPCs. Meanwhile the
+listening sockets of the job's processes are read: a run on one machine must listen on
+loopback only.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import distkit
+from conftest import REPO
+
+READY_TIMEOUT = 180  # a loaded 2-core CI machine needs a while to import torch N times
+
+
+@dataclass(frozen=True)
+class Example:
+    argv: tuple[str, ...]        # a run that trains for much longer than any test waits
+    ready: str                   # a line printed once training is under way
+    quick: tuple[str, ...]       # a run that finishes in seconds, exit status 0
+    fault_rank: int              # the rank whose code is made to raise
+    fault_target: str            # "module:attribute.path" that raises on its 2nd call
+
+
+EXAMPLES = {
+    "rpc_rl": Example(
+        ("rpc_rl/main.py", "--world_size", "3", "--max_episodes", "100000", "--log_interval", "1"),
+        r"Episode 1\t",
+        ("rpc_rl/main.py", "--world_size", "2", "--reward_threshold", "0.5"),
+        0, "rpc_rl.agent:Agent.finish_episode"),
+    "ddp_rpc": Example(
+        ("ddp_rpc/main.py", "--epochs", "100000", "--batches_per_epoch", "2", "--batch_size", "4"),
+        r"loss",
+        ("ddp_rpc/main.py", "--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "4"),
+        0, "torch.distributed.autograd:backward"),
+    "rpc_rnn": Example(
+        ("rpc_rnn/main.py", "--epochs", "100000", "--batches", "2"),
+        r"loss",
+        ("rpc_rnn/main.py", "--epochs", "1", "--batches", "2"),
+        1, "torch.distributed.autograd:backward"),
+}
+
+
+class Job:
+    """A CLI run in its own process group, with its output collected as it comes."""
+
+    def __init__(self, argv: tuple[str, ...]) -> None:
+        self.proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(s, b), daemon=True)
+                         for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
+
+    @staticmethod
+    def _read(stream, sink: list[str]) -> None:
+        for line in stream:
+            sink.append(line)
+
+    def wait_for(self, pattern: str, timeout: float = READY_TIMEOUT) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if any(re.search(pattern, line) for line in list(self.out)):
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"exited {self.proc.returncode} before {pattern!r}:\n{self.text()}")
+            time.sleep(0.2)
+        pytest.fail(f"no {pattern!r} within {timeout} s:\n{self.text()}")
+
+    def workers(self) -> list[int]:
+        """PIDs of the spawned workers, in the order they were started (rank order)."""
+        kids = _children(self.proc.pid)
+        return sorted(p for p in kids if b"spawn_main" in _cmdline(p))
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            for t in self._readers:
+                t.join(5)
+
+    def text(self) -> str:
+        return "".join(self.out) + "".join(self.err)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_all_gone(pids: list[int], within: float) -> None:
+    deadline = time.time() + within
+    while time.time() < deadline and any(map(_alive, pids)):
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "processes left behind"
+
+
+def listening_addresses(pids: list[int]) -> set[str]:
+    """Local addresses of the TCP sockets in LISTEN state that ``pids`` hold."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(fd))
+                if m:
+                    inodes.add(m.group(1))
+        except OSError:
+            continue
+    found = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.add(_decode(fields[1].split(":")[0], width))
+    return found
+
+
+def _decode(hex_addr: str, width: int) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(hex_addr)
+    # /proc/net/tcp prints each 32-bit word in host (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(raw))
+
+
+def _is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(addr)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+@pytest.fixture(params=sorted(EXAMPLES))
+def example(request) -> tuple[str, Example]:
+    return request.param, EXAMPLES[request.param]
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_worker_ends_the_job(example):
+    name, ex = example
+    job = Job(ex.argv)
+    try:
+        job.wait_for(ex.ready)
+        workers = job.workers()
+        assert len(workers) >= 2, job.text()
+        # every socket the job listens on is on loopback: nothing is reachable from the network
+        addresses = listening_addresses([job.proc.pid, *workers])
+        assert addresses and all(map(_is_loopback, addresses)), addresses
+        os.kill(workers[-1], signal.SIGKILL)
+        status = job.finish(timeout=60)
+        assert status != 0
+        assert re.search(r"rank \d+ died \(signal SIGKILL\)", job.text()), job.text()
+        assert_all_gone(workers, within=10)
+    finally:
+        job.kill()
+
+
+@pytest.mark.timeout(300)
+def test_signal_to_launcher_stops_every_worker(example):
+    name, ex = example
+    # both signals are handled alike; alternate them over the examples to keep CI short
+    sig = (signal.SIGTERM, signal.SIGINT)[sorted(EXAMPLES).index(name) % 2]
+    job = Job(ex.argv)
+    try:
+        job.wait_for(ex.ready)
+        workers = job.workers()
+        job.proc.send_signal(sig)  # the launcher alone, as `kill` would (Ctrl+C reaches all)
+        assert_all_gone(workers, within=10)
+        assert job.finish(timeout=10) != 0
+    finally:
+        job.kill()
+
+
+def _faulty_worker(worker: distkit.Worker, args: argparse.Namespace):
+    """The example's own run_worker, with one function on one rank made to fail."""
+    if worker.rank == args.fault_rank:
+        module_name, path = args.fault_target.split(":")
+        owner = importlib.import_module(module_name)
+        *parents, attr = path.split(".")
+        for p in parents:
+            owner = getattr(owner, p)
+        original, calls = getattr(owner, attr), [0]
+
+        def fail_on_second_call(*a, **kw):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError(f"injected fault in {path}")
+            return original(*a, **kw)
+
+        setattr(owner, attr, fail_on_second_call)
+    return importlib.import_module(args.example_module).run_worker(worker, args)
+
+
+@pytest.mark.timeout(300)
+def test_raising_worker_fails_the_job_with_its_traceback(example, capfd):
+    name, ex = example
+    module = importlib.import_module(f"{name}.main")
+    parser = module.build_parser()
+    args = parser.parse_args(list(ex.argv[1:]))
+    module.check_args(parser, args)
+    args.example_module, args.fault_rank, args.fault_target = f"{name}.main", ex.fault_rank, ex.fault_target
+    with pytest.raises(SystemExit) as exc:
+        distkit.launch(_faulty_worker, args)
+    assert exc.value.code == 1
+    err = capfd.readouterr().err
+    assert err.count("error: rank") == 1, err  # one failure report, not one per process
+    assert "Traceback" in err and "injected fault" in err, err
+
+
+@pytest.mark.timeout(300)
+def test_four_runs_at_once_all_succeed(example):
+    name, ex = example
+    jobs = [Job(ex.quick) for _ in range(4)]
+    try:
+        statuses = [job.finish(timeout=280) for job in jobs]
+        assert statuses == [0] * 4, "\n---\n".join(j.text()[-2000:] for j in jobs)
+    finally:
+        for job in jobs:
+            job.kill()
+
+
+@pytest.mark.timeout(300)
+def test_lost_rpc_peer_times_out_instead_of_hanging():
+    # an observer that stops answering (SIGSTOP, not dead: the launcher cannot see it)
+    job = Job(("rpc_rl/main.py", "--world_size", "3", "--max_episodes", "100000",
+               "--log_interval", "1", "--rpc_timeout", "5"))
+    try:
+        job.wait_for(r"Episode 1\t")
+        workers = job.workers()
+        os.kill(workers[-1], signal.SIGSTOP)
+        assert job.finish(timeout=90) == 1
+        assert re.search(r"rank 0 failed", job.text()), job.text()
+        assert_all_gone(workers, within=10)
+    finally:
+        job.kill()
+
+
+@pytest.mark.parametrize("name", ["rpc_rl", "ddp_rpc", "rpc_rnn", "rpc_pipeline_resnet"])
+def test_rpc_examples_have_a_bounded_rpc_timeout(name):
+    args = importlib.import_module(f"{name}.main").build_parser().parse_args([])
+    assert 0 < args.rpc_timeout <= 300
