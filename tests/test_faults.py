@@ -280,3 +280,15 @@ def test_lost_rpc_peer_times_out_instead_of_hanging():
 def test_rpc_examples_have_a_bounded_rpc_timeout(name):
     args = importlib.import_module(f"{name}.main").build_parser().parse_args([])
     assert 0 < args.rpc_timeout <= 300
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_launcher_takes_its_workers_along():
+    job = Job(EXAMPLES["rpc_rl"].argv)
+    try:
+        job.wait_for(EXAMPLES["rpc_rl"].ready)
+        workers = job.workers()
+        job.proc.kill()  # no cleanup runs: losing the store, and the parent-death signal, end them
+        assert_all_gone(workers, within=10)
+    finally:
+        job.kill()
