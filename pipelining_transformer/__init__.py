@@ -1,0 +1,1 @@
+"""Pipeline parallelism with torch.distributed.pipelining on a GPT-style transformer."""

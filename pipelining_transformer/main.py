@@ -1,0 +1,164 @@
+"""Pipeline-parallel training of a GPT-style transformer with torch.distributed.pipelining.
+
+Mirrors "Introduction to Distributed Pipeline Parallelism". The model's layers are divided
+among pipeline stages, one stage per rank (GPipe, 1F1B) or two (Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble, ZBVZeroBubble, DualPipeV: whatever this PyTorch offers). Roles:
+  the rank holding stage 0      reads the tokens of each batch and embeds them
+  the rank holding the last     reads the targets, computes the loss, prints it each step
+  every rank                    runs its stages' forwards/backwards in the schedule's order
+                                and steps one optimizer per stage
+
+Run on one machine (spawns the processes, CPU + gloo unless a GPU per process is visible):
+    python pipelining_transformer/main.py --world_size 2
+    python pipelining_transformer/main.py --world_size 4 --schedule Interleaved1F1B --split tracer
+One rank per process under torchrun, as the tutorial launches it:
+    torchrun --nproc_per_node 2 pipelining_transformer/main.py
+    torchrun --nproc_per_node 2 pipelining_transformer/main.py --schedule ZBVZeroBubble
+The model is the tutorial's (dim 512, 8 layers, 8 heads, vocabulary 10000); the batch is
+CPU-sized (8 x 32 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import distkit
+from pipelining_transformer.model import ModelArgs, Transformer
+from pipelining_transformer.parallel import (
+    SCHEDULES,
+    DistEnv,
+    PipelineRank,
+    init_distributed,
+    num_stages_for,
+    schedule_problem,
+    synthetic_batch,
+)
+
+log = logging.getLogger(__name__)
+
+
+def schedule_name(text: str) -> str:
+    """Accept a schedule's short name in any case ("gpipe", "ScheduleGPipe")."""
+    by_lower = {name.lower(): name for name in SCHEDULES}
+    name = by_lower.get(text.lower().removeprefix("schedule"))
+    if name is None:
+        raise argparse.ArgumentTypeError(
+            f"unknown schedule {text!r} (this PyTorch offers {', '.join(SCHEDULES)})")
+    return name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = distkit.ArgumentParser(description="Pipeline parallelism with torch.distributed.pipelining")
+    parser.add_argument("--schedule", type=schedule_name, default="GPipe", metavar="NAME",
+                        help=f"pipeline schedule, one of: {', '.join(SCHEDULES)}")
+    parser.add_argument("--split", choices=("manual", "tracer"), default="manual",
+                        help="cut the model by deleting parts (manual) or by tracing it (tracer)")
+    parser.add_argument("--n_microbatches", type=int, default=4, metavar="M",
+                        help="micro-batches each batch is cut into")
+    parser.add_argument("--batch_size", type=int, default=8, metavar="B",
+                        help="sequences per batch (per optimizer step)")
+    parser.add_argument("--seq_len", type=int, default=16, metavar="T", help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=10, metavar="N", help="optimizer steps")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                        help="one per stage; sgd (momentum 0.9) makes a step a linear function "
+                             "of the gradient, for bit-for-bit comparisons")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
+    model = parser.add_argument_group("model (defaults: the tutorial's ModelArgs)")
+    defaults = ModelArgs()
+    model.add_argument("--dim", type=int, default=defaults.dim)
+    model.add_argument("--n_layers", type=int, default=defaults.n_layers)
+    model.add_argument("--n_heads", type=int, default=defaults.n_heads)
+    model.add_argument("--vocab_size", type=int, default=defaults.vocab_size)
+    model.add_argument("--dropout", type=float, default=defaults.dropout)
+    distkit.add_launch_args(parser, world_size=2)
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    distkit.check_launch_args(parser, args, min_world_size=1)
+    for flag in ("n_microbatches", "batch_size", "seq_len", "steps", "dim", "n_layers",
+                 "n_heads", "vocab_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.batch_size % args.n_microbatches:
+        parser.error(f"--batch_size {args.batch_size} is not divisible by "
+                     f"--n_microbatches {args.n_microbatches}")
+    if args.dim % args.n_heads:
+        parser.error(f"--dim {args.dim} is not divisible by --n_heads {args.n_heads}")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.lr <= 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    n_stages = num_stages_for(args.schedule, args.world_size)
+    if n_stages > args.n_layers:
+        parser.error(f"{args.schedule} on {args.world_size} ranks makes {n_stages} stages, "
+                     f"more than --n_layers {args.n_layers}: each stage needs a layer")
+    problem = schedule_problem(args.schedule, args.world_size, args.n_microbatches)
+    if problem:
+        parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
+                     f"on {args.world_size} ranks: {problem}")
+
+
+def model_args_from(args: argparse.Namespace) -> ModelArgs:
+    return ModelArgs(args.dim, args.n_layers, args.n_heads, args.vocab_size, args.dropout)
+
+
+def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
+    """This rank's stages, cut from the same seeded full model that every rank builds."""
+    model_args = model_args_from(args)
+    torch.manual_seed(args.seed)
+    model = Transformer(model_args)
+    microbatch = (args.batch_size // args.n_microbatches, args.seq_len)
+    return PipelineRank(model, model_args, env, args.schedule, args.split, args.n_microbatches,
+                        microbatch, args.lr, args.optimizer)
+
+
+def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    """Every rank trains its stages; the one with the last stage reports the losses."""
+    pp = build_rank(args, init_distributed(args.device))
+    log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
+             f"({args.schedule}, {args.split} split) on {pp.device}")
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(args.steps):
+        x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
+        mb_losses = pp.forward_backward(x, y)
+        pp.optimizer_step()
+        if mb_losses is not None:
+            # equal micro-batches: the mean of their mean losses is the batch's mean loss
+            losses.append(torch.stack(mb_losses).mean().item())
+            log.info(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}")
+    seconds = time.perf_counter() - start
+    peak_mb = _peak_rss_mb()
+    dist.destroy_process_group()
+    if not pp.has_last:
+        return {"losses": None, "seconds": seconds, "peak_mb": peak_mb}
+    log.info(f"{args.steps} steps in {seconds:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    return {"losses": losses, "seconds": seconds, "peak_mb": peak_mb}
+
+
+def _peak_rss_mb() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    results = distkit.launch(run_worker, args)
+    losses = [r["losses"] for r in results.values() if r and r["losses"]]
+    if losses and args.steps > 1 and not losses[0][-1] < losses[0][0]:
+        print(f"The loss did not fall: {losses[0][0]:.4f} -> {losses[0][-1]:.4f}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The tutorial's pipelining steps, for any number of ranks and any installed schedule.
+
+``init_distributed`` (torchrun's environment -> process group), ``manual_model_split`` and
+``tracer_model_split`` (the two ways to cut the model into ``PipelineStage``s), the schedule
+catalogue, and ``PipelineRank``: what one rank holds and how it trains.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+import distkit
+from pipelining_transformer.model import ModelArgs, Transformer, tokenwise_loss_fn
+
+# Every schedule this PyTorch exports, by its short name ("GPipe", "Interleaved1F1B", ...)
+SCHEDULES: dict[str, type] = {
+    name.removeprefix("Schedule"): getattr(pipelining, name)
+    for name in pipelining.__all__ if name.startswith("Schedule")
+}
+# These schedules place a rank's two stages as a "V" (rank r: stages r and 2W-1-r, so the
+# last stage sits beside the first); the other multi-stage ones loop (rank r: r, r+W, ...).
+V_SHAPED = {"ZBVZeroBubble", "DualPipeV"}
+STAGES_PER_RANK_MULTI = 2
+
+
+def is_multi_stage(schedule: str) -> bool:
+    return issubclass(SCHEDULES[schedule], PipelineScheduleMulti)
+
+
+def num_stages_for(schedule: str, world_size: int) -> int:
+    return world_size * (STAGES_PER_RANK_MULTI if is_multi_stage(schedule) else 1)
+
+
+def stage_indices_for(schedule: str, rank: int, world_size: int) -> list[int]:
+    """The stages ``rank`` owns, in the order the schedule expects them."""
+    if not is_multi_stage(schedule):
+        return [rank]
+    if schedule in V_SHAPED:
+        return [rank, 2 * world_size - 1 - rank]
+    return [rank + k * world_size for k in range(STAGES_PER_RANK_MULTI)]
+
+
+def layer_ranges(n_layers: int, num_stages: int) -> list[range]:
+    """Contiguous blocks of layers, one per stage; earlier stages take the remainder."""
+    if not 1 <= num_stages <= n_layers:
+        raise ValueError(f"cannot give {num_stages} stages at least one of {n_layers} layers each")
+    per, extra = divmod(n_layers, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + per + (s < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+class _StubStage:
+    """Just enough of a stage for a schedule's constructor to lay out its whole timetable."""
+
+    def __init__(self, stage_index: int, num_stages: int, rank: int, world_size: int) -> None:
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.group_rank, self.group_size = rank, world_size
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def schedule_problem(schedule: str, world_size: int, n_microbatches: int) -> str | None:
+    """Why ``schedule`` cannot run ``n_microbatches`` on ``world_size`` ranks, or None.
+
+    Each schedule computes and checks the timetable of every rank in its constructor, so
+    building it around stand-in stages asks PyTorch itself, before any process starts.
+    """
+    n_stages = num_stages_for(schedule, world_size)
+    cls = SCHEDULES[schedule]
+    for rank in range(world_size):
+        stubs = [_StubStage(i, n_stages, rank, world_size)
+                 for i in stage_indices_for(schedule, rank, world_size)]
+        try:
+            cls(stubs if is_multi_stage(schedule) else stubs[0], n_microbatches=n_microbatches,
+                loss_fn=tokenwise_loss_fn)
+        except (ValueError, AssertionError, RuntimeError) as e:
+            return str(e).strip().splitlines()[0].replace("  ", " ")
+        except Exception:  # a PyTorch whose constructor wants more than the stand-in has
+            return None
+    return None
+
+
+@dataclass
+class DistEnv:
+    """The tutorial's globals (rank, device, pp_group), as one value."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    pp_group: dist.ProcessGroup
+
+
+def init_distributed(device_preference: str = "auto") -> DistEnv:
+    """Join the process group described by torchrun's (or distkit's) environment."""
+    rank = int(os.environ["RANK"])  # the tutorial used LOCAL_RANK: wrong beyond one machine
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    # a GPU per process on this machine, or the CPU for all (never cuda:<rank> by fiat)
+    device = distkit.pick_device(device_preference, local_rank, min_gpus=local_world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=distkit.backend_for(device))
+    # the group that carries the stages' send/recv: a sub-group once PP is one of N dims
+    pp_group = dist.new_group()
+    return DistEnv(rank, world_size, device, pp_group)
+
+
+def manual_model_split(model: Transformer, stage_index: int, num_stages: int, layers: range,
+                       device: torch.device, pp_group: dist.ProcessGroup | None = None
+                       ) -> PipelineStage:
+    """Stage ``stage_index``: ``model`` itself, without the parts other stages own."""
+    for i in list(model.layers):
+        if int(i) not in layers:
+            del model.layers[i]
+    if stage_index != 0:
+        model.tok_embeddings = None
+    if stage_index != num_stages - 1:
+        model.norm = None
+        model.output = None
+    model.to(device)
+    stage = PipelineStage(model, stage_index, num_stages, device, group=pp_group)
+    _send_contiguous_input_grads(stage)
+    return stage
+
+
+def tracer_model_split(model: Transformer, example_input_microbatch: torch.Tensor,
+                       split_layers: list[int], stage_indices: list[int], device: torch.device,
+                       pp_group: dist.ProcessGroup | None = None) -> list[PipelineStage]:
+    """Trace ``model``, cut it before each layer in ``split_layers``, build this rank's stages."""
+    pipe = pipeline(
+        module=model,
+        mb_args=(example_input_microbatch,),
+        split_spec={f"layers.{k}": SplitPoint.BEGINNING for k in split_layers},
+    )
+    stages = [pipe.build_stage(i, device, pp_group) for i in stage_indices]
+    for stage in stages:
+        _send_contiguous_input_grads(stage)
+        _skip_warmup_with_itself(stage)
+    return stages
+
+
+def _send_contiguous_input_grads(stage: PipelineStage) -> None:
+    """Make the gradient a stage sends back to the previous stage contiguous.
+
+    With batch_first=True, attention transposes its inputs, so the gradient of a stage's
+    input is a transposed view. Zero-bubble schedules (InterleavedZeroBubble, ZBV,
+    DualPipeV) send that ``autograd.grad`` result as it is, and gloo refuses it ("input
+    tensor has to be contiguous"); a full backward reads ``.grad``, which is contiguous.
+    """
+    def hook(module: nn.Module, args: tuple) -> None:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                a.register_hook(torch.Tensor.contiguous)
+
+    stage.submod.register_forward_pre_hook(hook)
+
+
+def _skip_warmup_with_itself(stage: PipelineStage) -> None:
+    """Drop the send/recv a traced stage's warm-up would make to its own rank.
+
+    ``build_stage``'s stages greet both neighbours with a send and a receive before the
+    first step, even a neighbour on the same rank (ZBV and DualPipeV put the middle two
+    stages on one rank); gloo cannot send to itself ("Pair is not connected"). Stages on one
+    rank hand activations over in memory, so nothing is lost.
+    """
+    neighbour_ops = stage._get_init_p2p_neighbors_ops
+
+    def without_self() -> list[dist.P2POp]:
+        return [op for op in neighbour_ops() if op.group_peer != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = without_self
+
+
+def synthetic_batch(step: int, batch_size: int, seq_len: int, vocab_size: int,
+                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s tokens and targets; every rank draws the same ones.
+
+    Tokens follow Zipf's law, as words do, and each token's target is its successor id.
+    The tutorial's model has no position encoding, so this token-wise task is one it can
+    learn; frequent tokens are learned first and the loss falls within a few steps.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    zipf = 1.0 / torch.arange(1, vocab_size + 1, dtype=torch.float)
+    x = torch.multinomial(zipf, batch_size * seq_len, replacement=True, generator=gen)
+    x = x.view(batch_size, seq_len)
+    return x, (x + 1) % vocab_size
+
+
+def make_optimizer(name: str, params: Iterator[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+class PipelineRank:
+    """What one rank runs: its stages, their schedule, and an optimizer per stage."""
+
+    def __init__(self, model: Transformer, model_args: ModelArgs, env: DistEnv, schedule: str,
+                 split: str, n_microbatches: int, microbatch_shape: tuple[int, int],
+                 lr: float, optimizer: str = "adamw") -> None:
+        self.num_stages = num_stages_for(schedule, env.world_size)
+        indices = stage_indices_for(schedule, env.rank, env.world_size)
+        ranges = layer_ranges(model_args.n_layers, self.num_stages)
+        if split == "manual":
+            # every stage but the last cuts its own copy; the last cuts the model itself
+            models = [copy.deepcopy(model) for _ in indices[1:]] + [model]
+            self.stages = [manual_model_split(m, i, self.num_stages, ranges[i], env.device,
+                                              env.pp_group) for m, i in zip(models, indices)]
+        elif split == "tracer":
+            example = torch.zeros(microbatch_shape, dtype=torch.long)
+            self.stages = tracer_model_split(model, example, [r.start for r in ranges[1:]],
+                                             indices, env.device, env.pp_group)
+        else:
+            raise ValueError(f"unknown split {split!r}")
+        cls = SCHEDULES[schedule]
+        self.schedule = cls(self.stages if is_multi_stage(schedule) else self.stages[0],
+                            n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
+        self.optimizers = [make_optimizer(optimizer, s.submod.parameters(), lr) for s in self.stages]
+        self.device = env.device
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
+        """One pipelined pass over the batch; the micro-batch losses where the last stage is."""
+        for opt in self.optimizers:
+            # the schedule adds every micro-batch's gradient into .grad
+            opt.zero_grad(set_to_none=True)
+        # only the first stage reads the tokens and only the last the targets
+        args = (x.to(self.device),) if self.has_first else ()
+        target = y.to(self.device) if self.has_last else None
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses)
+        return losses
+
+    def optimizer_step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the full model's names ("layers.3.linear1.weight")."""
+        for stage in self.stages:
+            yield from stage.submod.named_parameters()
