@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 import distkit
 from pipelining_transformer.model import ModelArgs, Transformer, tokenwise_loss_fn

@@ -1,0 +1,183 @@
+"""pipelining_transformer: every schedule and both splits equal one process; training; launchers.
+
+The equivalence tests share one launch per world size: its workers run every
+(schedule, split) in turn on a tiny model and return what each rank computed.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distkit
+from conftest import run_cli, run_torchrun
+from pipelining_transformer.main import build_parser, build_rank, check_args, model_args_from
+from pipelining_transformer.model import Transformer, tokenwise_loss_fn
+from pipelining_transformer.parallel import (
+    SCHEDULES,
+    init_distributed,
+    layer_ranges,
+    make_optimizer,
+    stage_indices_for,
+    synthetic_batch,
+)
+
+# dropout 0 so that a pipelined run and one process compute the same numbers; SGD so
+# that the step is linear in the gradient (Adam's first step turns rounding noise in
+# a gradient that is mathematically zero, like a key bias's, into a full lr-sized step)
+TINY = ("--dim", "16", "--n_heads", "2", "--vocab_size", "32", "--seq_len", "8",
+        "--batch_size", "8", "--n_microbatches", "4", "--dropout", "0",
+        "--optimizer", "sgd", "--lr", "0.1", "--seed", "3")
+SPLITS = ("manual", "tracer")
+# world size -> (layers, the (schedule, split) runs); 4 ranks of a multi-stage schedule
+# make 8 stages, so they get 8 layers
+RUNS = {
+    2: (4, [(s, split) for s in SCHEDULES for split in SPLITS]),
+    4: (8, [("GPipe", "manual"), ("GPipe", "tracer"), ("1F1B", "manual"),
+            ("Interleaved1F1B", "manual"), ("Interleaved1F1B", "tracer"),
+            ("ZBVZeroBubble", "manual")]),
+}
+
+
+def make_args(*argv: str) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    check_args(parser, args)
+    return args
+
+
+def test_layers_are_divided_among_stages():
+    assert layer_ranges(8, 2) == [range(0, 4), range(4, 8)]
+    assert layer_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    with pytest.raises(ValueError):
+        layer_ranges(3, 4)
+
+
+def test_stage_placement_follows_each_schedule():
+    assert stage_indices_for("GPipe", 1, 4) == [1]
+    assert stage_indices_for("Interleaved1F1B", 1, 4) == [1, 5]  # looped
+    assert stage_indices_for("ZBVZeroBubble", 1, 4) == [1, 6]  # V: last stage beside the first
+    assert stage_indices_for("DualPipeV", 3, 4) == [3, 4]
+
+
+def _equivalence_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """One step of every (schedule, split) in args.runs, from the same initial weights."""
+    env = init_distributed(args.device)
+    out = {}
+    for schedule, split in args.runs:
+        run_args = argparse.Namespace(**{**vars(args), "schedule": schedule, "split": split})
+        pp = build_rank(run_args, env)
+        x, y = synthetic_batch(0, args.batch_size, args.seq_len, args.vocab_size, args.seed)
+        losses = pp.forward_backward(x, y)
+        grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
+                 for n, p in pp.named_parameters()}
+        pp.optimizer_step()
+        out[(schedule, split)] = {
+            "losses": None if losses is None else torch.stack(losses).detach().cpu(),
+            "grads": grads,
+            "params": {n: p.detach().cpu().clone() for n, p in pp.named_parameters()},
+        }
+        dist.barrier(env.pp_group)  # no run's messages can meet the next run's
+    dist.destroy_process_group()
+    return out
+
+
+@functools.cache
+def _launch(world_size: int) -> tuple[argparse.Namespace, dict | str]:
+    n_layers, runs = RUNS[world_size]
+    args = make_args(*TINY, "--n_layers", str(n_layers), "--world_size", str(world_size))
+    for schedule, _ in runs:  # every run is one the CLI would accept
+        make_args(*TINY, "--n_layers", str(n_layers), "--world_size", str(world_size),
+                  "--schedule", schedule)
+    args.runs = runs
+    try:
+        return args, distkit.launch(_equivalence_worker, args)
+    except SystemExit:  # the launcher printed the failed rank's traceback
+        return args, f"the {world_size}-rank launch failed (its traceback is in the captured stderr)"
+
+
+@functools.cache
+def _reference(world_size: int) -> dict:
+    """The full model in this one process: same seed, same data, same optimizer."""
+    args, _ = _launch(world_size)
+    torch.manual_seed(args.seed)
+    model = copy.deepcopy(Transformer(model_args_from(args)))
+    x, y = synthetic_batch(0, args.batch_size, args.seq_len, args.vocab_size, args.seed)
+    out = model(x)  # the whole batch at once
+    tokenwise_loss_fn(out, y).backward()
+    # what each micro-batch's loss is within that one pass
+    losses = torch.stack([tokenwise_loss_fn(o, t) for o, t in
+                          zip(out.detach().chunk(args.n_microbatches), y.chunk(args.n_microbatches))])
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    make_optimizer(args.optimizer, model.parameters(), args.lr).step()
+    return {"losses": losses, "grads": grads, "params": dict(model.named_parameters())}
+
+
+@pytest.mark.parametrize("world_size, schedule, split",
+                         [(w, s, split) for w, (_, runs) in RUNS.items() for s, split in runs])
+def test_pipeline_step_equals_single_process(world_size, schedule, split):
+    _, results = _launch(world_size)
+    assert not isinstance(results, str), results
+    ref = _reference(world_size)
+    per_rank = [r[(schedule, split)] for r in results.values()]
+
+    losses = [r["losses"] for r in per_rank if r["losses"] is not None]
+    assert len(losses) == 1, "exactly one rank holds the last stage"
+    torch.testing.assert_close(losses[0], ref["losses"])
+
+    grads, params = {}, {}
+    for r in per_rank:
+        assert not set(r["grads"]) & set(grads), "a parameter lives on two stages"
+        grads.update(r["grads"])
+        params.update(r["params"])
+    # the stages hold every parameter of the model once, under the model's own names
+    assert sorted(grads) == sorted(ref["grads"])
+    for name, g in ref["grads"].items():
+        assert grads[name] is not None, f"{name} got no gradient"
+        torch.testing.assert_close(grads[name], g, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(params[name], ref["params"][name],
+                                   msg=lambda m: f"{name} after the step: {m}")
+
+
+def test_cli_training_run_lowers_the_loss():
+    proc = run_cli("pipelining_transformer/main.py", "--world_size", "2", "--split", "tracer",
+                   "--schedule", "interleaved1f1b", "--dim", "32", "--n_heads", "2",
+                   "--n_layers", "4", "--vocab_size", "64", "--seq_len", "8", "--batch_size", "16",
+                   "--steps", "12", "--lr", "3e-3", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # looped placement: rank 1 holds stages 1 and 3, the last, and prints every step
+    assert "[rank 1] stages [1, 3] of 4 (Interleaved1F1B, tracer split)" in proc.stdout
+    losses = [float(m) for m in re.findall(r"\[rank 1\] step \d+/12  loss (\S+)", proc.stdout)]
+    assert len(losses) == 12, proc.stdout
+    assert losses[-1] < 0.75 * losses[0], losses  # about 4.2 -> 2.5 (dropout 0.1 on)
+
+
+def test_torchrun_launch_with_v_shaped_schedule():
+    proc = run_torchrun(2, "pipelining_transformer/main.py", "--schedule", "ZBVZeroBubble",
+                        "--dim", "32", "--n_heads", "2", "--n_layers", "4", "--vocab_size", "64",
+                        "--seq_len", "8", "--steps", "3", "--lr", "1e-2", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # V-shaped: rank 0 holds the first stage and the last, so it prints the losses
+    assert "stages [0, 3] of 4 (ZBVZeroBubble, manual split)" in proc.stdout, proc.stdout
+    assert "step 3/3  loss " in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch_size", "10", "--n_microbatches", "4"], "not divisible by --n_microbatches 4"),
+    (["--schedule", "1F1B", "--world_size", "4", "--n_microbatches", "2"],
+     "1F1B cannot run --n_microbatches 2 on 4 ranks"),
+    (["--schedule", "Interleaved1F1B", "--world_size", "4", "--n_layers", "6"],
+     "makes 8 stages, more than --n_layers 6"),
+    (["--schedule", "PipeDream"], "unknown schedule 'PipeDream'"),
+    (["--split", "auto"], "invalid choice: 'auto'"),
+])
+def test_bad_input_is_one_line_exit_2(argv, message):
+    proc = run_cli("pipelining_transformer/main.py", *argv, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert "[rank" not in proc.stdout  # nothing was spawned
