@@ -1,0 +1,1 @@
+"""ResNet50 split in two shards on two RPC workers, fed micro-batches so the shards overlap."""

@@ -1,0 +1,174 @@
+"""Distributed pipeline parallelism with RPC: ResNet50 in two shards on two workers.
+
+Mirrors "Distributed Pipeline Parallelism Using RPC" (upstream: pytorch/examples
+rpc/pipeline/main.py). Three processes, roles by rank:
+  rank 0  "master": holds DistResNet50 (RRefs to the shards), makes the data, computes the
+          loss, runs dist_autograd.backward and the DistributedOptimizer step
+  rank 1  "worker1": owns ResNetShard1 (conv1 .. layer2)
+  rank 2  "worker2": owns ResNetShard2 (layer3 .. fc)
+Each batch is cut into N micro-batches ("splits") that flow through the two shards as a
+pipeline; the master trains a fresh model for every N in --splits and times it.
+
+Run on one machine (spawns the three processes; CPU + gloo unless GPUs are visible: with
+two GPUs the shards use cuda:0 and cuda:1, with one they share cuda:0):
+    python rpc_pipeline_resnet/main.py
+    python rpc_pipeline_resnet/main.py --batch_size 120 --image_size 128 --splits 1 2 4 8
+One rank per process under torchrun works too:
+    torchrun --nproc_per_node 3 rpc_pipeline_resnet/main.py
+Prints "number of splits = N, execution time = T" for each N, then a speed-up table.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+import torch.optim as optim
+from torch.distributed.optim import DistributedOptimizer
+
+import distkit
+from rpc_pipeline_resnet.model import NUM_CLASSES, DistResNet50
+
+log = logging.getLogger(__name__)
+
+WORKERS = ["worker1", "worker2"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = distkit.ArgumentParser(description="Pipeline-parallel ResNet50 over RPC")
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8], metavar="N",
+                        help="numbers of micro-batches per batch to train and time, one run each")
+    parser.add_argument("--batch_size", type=int, default=32, help="images per batch")
+    parser.add_argument("--image_size", type=int, default=64, help="image width and height")
+    parser.add_argument("--num_batches", type=int, default=3, help="timed batches per run")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed batches first (memory and oneDNN set-up would otherwise "
+                             "slow down whichever run comes first)")
+    parser.add_argument("--num_classes", type=int, default=NUM_CLASSES, help="classes (fc outputs)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    distkit.add_launch_args(parser, world_size=3, rpc_timeout=120)
+    return parser
+
+
+def final_feature_size(image_size: int) -> int:
+    """Height (= width) of layer4's output: conv1, maxpool and layers 2-4 each halve, rounding up."""
+    size = image_size
+    for _ in range(5):
+        size = (size - 1) // 2 + 1
+    return size
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    distkit.check_launch_args(parser, args, min_world_size=3, max_world_size=3)
+    for name in ("batch_size", "image_size", "num_batches", "num_classes"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    if args.lr <= 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    for n in args.splits:
+        if not 1 <= n <= args.batch_size:
+            parser.error(f"--splits values must be in 1..{args.batch_size} (--batch_size), got {n}")
+    smallest = args.batch_size // max(args.splits)
+    side = final_feature_size(args.image_size)
+    if smallest * side * side < 2:
+        # BatchNorm in training mode needs two values per channel to compute a variance
+        parser.error(f"micro-batches of {smallest} image(s) of {args.image_size}x{args.image_size} "
+                     f"give BatchNorm one value per channel; use --image_size >= 33 or fewer splits")
+    if args.device == "cuda" and args.ranks is None and distkit.gpu_count() == 0:
+        parser.error("--device cuda was asked for, but no CUDA device is visible")
+
+
+def run_master(num_split: int, args: argparse.Namespace) -> dict:
+    """Train a fresh DistResNet50 for --num_batches batches cut into ``num_split`` micro-batches."""
+    # each worker picks its shard's device itself: it knows its own GPUs (shard i gets
+    # cuda:i with two GPUs, both share cuda:0 with one, CPU with none or --device cpu)
+    devices = [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i))
+               for i, name in enumerate(WORKERS)]
+    # put the two model parts on worker1 and worker2 respectively
+    model = DistResNet50(num_split, WORKERS, devices, num_classes=args.num_classes)
+    loss_fn = nn.MSELoss()
+    opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=args.lr)
+
+    # the same seeded data for every num_split, so the runs differ only in pipelining
+    gen = torch.Generator().manual_seed(args.seed)
+    one_hot_indices = torch.randint(0, args.num_classes, (args.batch_size, 1), generator=gen)
+    losses, batch_times = [], []
+    for i in range(args.warmup + args.num_batches):
+        timed = i >= args.warmup
+        log.info(f"Processing batch {i}" + ("" if timed else " (warm-up, not timed)"))
+        # generate random inputs and labels
+        inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
+        labels = torch.zeros(args.batch_size, args.num_classes).scatter_(1, one_hot_indices, 1)
+        tik = time.perf_counter()
+        # the context collects the gradients on every worker the forward pass touched; there
+        # is no zero_grad because each batch gets a fresh context (and fresh gradients)
+        with dist_autograd.context() as context_id:
+            outputs = model(inputs)
+            loss = loss_fn(outputs, labels)
+            dist_autograd.backward(context_id, [loss])
+            opt.step(context_id)
+        if timed:
+            batch_times.append(time.perf_counter() - tik)
+        losses.append(loss.item())
+    log.info(f"number of splits = {num_split}, execution time = {sum(batch_times)}")
+    return {"num_split": num_split, "time": sum(batch_times), "losses": losses,
+            "batch_times": batch_times, "devices": [str(d) for d in devices]}
+
+
+def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOptions:
+    # TensorPipe's shared-memory transport busy-polls, about 15% of a core per process even
+    # when idle (measured): on 2 cores that is time stolen from the shards. TCP over loopback
+    # ("uv") does not, and it is what runs between machines anyway.
+    return rpc.TensorPipeRpcBackendOptions(num_worker_threads=128, rpc_timeout=args.rpc_timeout,
+                                           _transports=["uv"])
+
+
+def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
+    """Rank 0 is the master and trains; ranks 1 and 2 host the shards and wait for its RPCs."""
+    torch.manual_seed(args.seed + worker.rank)
+    options = rpc_backend_options(args)
+    if worker.rank == 0:
+        rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)
+        results = [run_master(num_split, args) for num_split in args.splits]
+    else:
+        if args.threads is None:
+            # the master only computes the loss: the two shards share this machine's cores
+            # (one thread each on 2 cores), so both can run at the same time
+            torch.set_num_threads(distkit.threads_per_process(min(2, worker.local_world_size)))
+        rpc.init_rpc(WORKERS[worker.rank - 1], rank=worker.rank, world_size=worker.world_size,
+                     rpc_backend_options=options)
+        results = None
+    # block until all rpcs finish
+    rpc.shutdown()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    runs = distkit.launch(run_worker, args).get(0)
+    if runs is None:  # a torchrun rank other than 0
+        return 0
+    print(f"devices: worker1 {runs[0]['devices'][0]}, worker2 {runs[0]['devices'][1]}; "
+          f"batch {args.batch_size} x 3 x {args.image_size} x {args.image_size}, "
+          f"{args.num_batches} batches")
+    base = runs[0]["time"]
+    for run in runs:
+        print(f"number of splits = {run['num_split']}, execution time = {run['time']:.2f} s, "
+              f"speed-up vs {runs[0]['num_split']} split(s) = {base / run['time']:.2f}x, "
+              f"batches = {', '.join(f'{x:.2f}' for x in run['batch_times'])} s, "
+              f"losses = {', '.join(f'{x:.5f}' for x in run['losses'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The tutorial's model: ``ResNetBase``, ``ResNetShard1``, ``ResNetShard2`` and ``DistResNet50``.
+
+ResNet50 (torchvision's ``Bottleneck`` blocks) is cut after ``layer2``. Each shard lives on
+its own RPC worker and is created there by the master with ``rpc.remote``; the master only
+holds ``RRef``s to them. ``DistResNet50.forward`` cuts the batch into ``num_split``
+micro-batches and fires them all off asynchronously, so while shard 2 works on micro-batch
+i, shard 1 already works on micro-batch i + 1.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+from torch.distributed.rpc import RRef
+from torchvision.models.resnet import Bottleneck
+
+NUM_CLASSES = 1000
+
+
+def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)
+
+
+class ResNetBase(nn.Module):
+    """What both shards share: torchvision's ``_make_layer`` and the parameter RRefs.
+
+    ``_lock`` serialises ``forward``: the RPC agent runs every incoming request on its own
+    thread, and two micro-batches must not run through the layers (and update BatchNorm's
+    running statistics) at the same time.
+    """
+
+    def __init__(self, block: type[Bottleneck], inplanes: int, *, num_classes: int = NUM_CLASSES,
+                 groups: int = 1, width_per_group: int = 64,
+                 norm_layer: type[nn.Module] | None = None) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._block = block
+        self._norm_layer = norm_layer or nn.BatchNorm2d
+        self.num_classes = num_classes
+        self.inplanes = inplanes
+        self.dilation = 1
+        self.groups = groups
+        self.base_width = width_per_group
+
+    def _make_layer(self, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+        norm_layer = self._norm_layer
+        downsample = None
+        previous_dilation = self.dilation
+        if stride != 1 or self.inplanes != planes * self._block.expansion:
+            downsample = nn.Sequential(
+                conv1x1(self.inplanes, planes * self._block.expansion, stride),
+                norm_layer(planes * self._block.expansion),
+            )
+        layers = [self._block(self.inplanes, planes, stride, downsample, self.groups,
+                              self.base_width, previous_dilation, norm_layer)]
+        self.inplanes = planes * self._block.expansion
+        for _ in range(1, blocks):
+            layers.append(self._block(self.inplanes, planes, groups=self.groups,
+                                      base_width=self.base_width, dilation=self.dilation,
+                                      norm_layer=norm_layer))
+        return nn.Sequential(*layers)
+
+    def parameter_rrefs(self) -> list[RRef]:
+        # called on the shard's own worker, so these are owner RRefs the master can hand
+        # to DistributedOptimizer, which then steps each parameter where it lives
+        return [RRef(p) for p in self.parameters()]
+
+
+class ResNetShard1(ResNetBase):
+    """First half of ResNet50 (conv1 .. layer2), on worker1. Returns CPU activations."""
+
+    def __init__(self, device: torch.device | str, **kwargs: Any) -> None:
+        super().__init__(Bottleneck, 64, **kwargs)
+        self.device = torch.device(device)
+        self.seq = nn.Sequential(
+            nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False),
+            self._norm_layer(self.inplanes),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
+            self._make_layer(64, 3),
+            self._make_layer(128, 4, stride=2),
+        ).to(self.device)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.constant_(m.weight, 1)
+                nn.init.constant_(m.bias, 0)
+
+    def forward(self, x_rref: RRef) -> torch.Tensor:
+        x = x_rref.to_here().to(self.device)
+        with self._lock:
+            out = self.seq(x)
+        # RPC moves CPU tensors: the master and the other worker may have no (or other) GPUs
+        return out.cpu()
+
+
+class ResNetShard2(ResNetBase):
+    """Second half of ResNet50 (layer3 .. avgpool, fc), on worker2. Returns CPU logits."""
+
+    def __init__(self, device: torch.device | str, **kwargs: Any) -> None:
+        super().__init__(Bottleneck, 512, **kwargs)
+        self.device = torch.device(device)
+        self.seq = nn.Sequential(
+            self._make_layer(256, 6, stride=2),
+            self._make_layer(512, 3, stride=2),
+            nn.AdaptiveAvgPool2d((1, 1)),
+        ).to(self.device)
+        self.fc = nn.Linear(512 * self._block.expansion, self.num_classes).to(self.device)
+
+    def forward(self, x_rref: RRef) -> torch.Tensor:
+        x = x_rref.to_here().to(self.device)
+        with self._lock:
+            out = self.fc(torch.flatten(self.seq(x), 1))
+        return out.cpu()
+
+
+def _set_training(module_rref: RRef, mode: bool) -> None:
+    """Runs on the shard's owner. Returns nothing: a shard (it holds a lock) cannot be pickled."""
+    module_rref.local_value().train(mode)
+
+
+class DistResNet50(nn.Module):
+    """Lives on the master: holds RRefs to the two shards and pipelines micro-batches through them.
+
+    ``num_split`` is the number of micro-batches per batch (the tutorial's code read an
+    undefined ``self.split_size``; upstream used the number as the micro-batch *size*).
+    """
+
+    def __init__(self, num_split: int, workers: Sequence[str],
+                 devices: Sequence[torch.device | str] = ("cpu", "cpu"), *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__()
+        self.num_split = num_split
+        # Put the first part of the ResNet50 on workers[0]
+        self.p1_rref = rpc.remote(workers[0], ResNetShard1, args=(devices[0],) + args, kwargs=kwargs)
+        # Put the second part of the ResNet50 on workers[1]
+        self.p2_rref = rpc.remote(workers[1], ResNetShard2, args=(devices[1],) + args, kwargs=kwargs)
+        # rref.rpc_async() needs the type of the object behind the RRef. Until it has it, it
+        # sends the RPC from a callback, on a thread outside this dist_autograd context, and
+        # that micro-batch silently gets no gradients. Learn both types now, the way the RRef
+        # proxies ask for them (the RRef caches this future and they reuse it).
+        for rref in (self.p1_rref, self.p2_rref):
+            rref._get_type(blocking=False).wait()
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        out_futures = []
+        # tensor_split: exactly num_split micro-batches whose sizes differ by at most one
+        for x in xs.tensor_split(self.num_split, dim=0):
+            x_rref = RRef(x)
+            # remote() and rpc_async() return at once: the loop only queues work, and
+            # y_rref makes shard 2 wait for shard 1's output of this very micro-batch
+            y_rref = self.p1_rref.remote().forward(x_rref)
+            z_fut = self.p2_rref.rpc_async().forward(y_rref)
+            out_futures.append(z_fut)
+        return torch.cat(torch.futures.wait_all(out_futures))
+
+    def train(self, mode: bool = True) -> DistResNet50:
+        # nn.Module.train only reaches local children; the shards (and their BatchNorm
+        # layers) live on the workers, so tell them too
+        super().train(mode)
+        torch.futures.wait_all([rpc.rpc_async(r.owner(), _set_training, args=(r, mode))
+                                for r in (self.p1_rref, self.p2_rref)])
+        return self
+
+    def parameter_rrefs(self) -> list[RRef]:
+        remote_params = []
+        remote_params.extend(self.p1_rref.remote().parameter_rrefs().to_here())
+        remote_params.extend(self.p2_rref.remote().parameter_rrefs().to_here())
+        return remote_params

@@ -1,0 +1,231 @@
+"""rpc_pipeline_resnet: the pipelined model computes what the two shards compute in one process.
+
+One three-process job (master + two shard workers, tiny images, 10 classes) runs a training
+step and two eval-mode forwards; the tests compare what it returns against single-process
+copies of the shards built from the same initial weights.
+"""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+import torch.optim as optim
+from torch.distributed.optim import DistributedOptimizer
+from torch.distributed.rpc import RRef
+
+import distkit
+from conftest import run_cli, run_torchrun
+from rpc_pipeline_resnet.main import (WORKERS, build_parser, check_args, final_feature_size,
+                                      main, rpc_backend_options, run_worker)
+from rpc_pipeline_resnet.model import DistResNet50, ResNetShard1, ResNetShard2
+
+NUM_CLASSES, BATCH = 10, 7
+IMAGE = 48  # layer4 is 2x2: BatchNorm of a 2-image micro-batch sees 8 values, not 2
+TRAIN_SPLIT = 3  # micro-batches of 3, 2 and 2 images
+EVAL_SPLITS = (1, 4)
+LR = 0.05
+# Workers and reference all run one intra-op thread: BatchNorm over tiny micro-batches
+# amplifies the rounding differences other thread counts bring (0.5 on the logits, measured).
+# What is left differs only in the order gradients are summed.
+TOL = {"rtol": 1e-4, "atol": 1e-6}
+
+
+def make_args(*argv: str) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    check_args(parser, args)
+    return args
+
+
+def _state(module_rref: RRef) -> dict[str, torch.Tensor]:
+    """On a shard's owner: a CPU copy of its weights and BatchNorm statistics."""
+    return {k: v.detach().cpu().clone() for k, v in module_rref.local_value().state_dict().items()}
+
+
+def _grads(module_rref: RRef, context_id: int) -> dict[str, torch.Tensor]:
+    """On a shard's owner: the gradients dist_autograd accumulated for it in this context."""
+    grads = dist_autograd.get_gradients(context_id)
+    return {name: grads[p].cpu() if p in grads else None
+            for name, p in module_rref.local_value().named_parameters()}
+
+
+def _pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    if worker.rank != 0:
+        return run_worker(worker, args)  # a shard host, exactly as in the example
+    rpc.init_rpc("master", rank=0, world_size=worker.world_size,
+                 rpc_backend_options=rpc_backend_options(args))
+    model = DistResNet50(TRAIN_SPLIT, WORKERS, ("cpu", "cpu"), num_classes=NUM_CLASSES)
+    shards = (model.p1_rref, model.p2_rref)
+    fetch = lambda fn, *a: [rpc.rpc_sync(r.owner(), fn, args=(r, *a)) for r in shards]  # noqa: E731
+    gen = torch.Generator().manual_seed(1)
+    inputs = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=gen)
+    labels = torch.zeros(BATCH, NUM_CLASSES).scatter_(
+        1, torch.randint(0, NUM_CLASSES, (BATCH, 1), generator=gen), 1)
+
+    before = fetch(_state)
+    with dist_autograd.context() as context_id:
+        # the very first forward of a fresh model: before anything else used the RRefs'
+        # proxies (parameter_rrefs does), rpc_async() used to lose the autograd context
+        outputs = model(inputs)
+        loss = nn.MSELoss()(outputs, labels)
+        dist_autograd.backward(context_id, [loss])
+        grads = fetch(_grads, context_id)
+        opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=LR)
+        opt.step(context_id)
+    after = fetch(_state)
+
+    model.eval()
+    eval_outputs = {}
+    for k in EVAL_SPLITS:
+        model.num_split = k
+        eval_outputs[k] = model(inputs)
+    after_eval = fetch(_state)
+    rpc.shutdown()
+    return {"inputs": inputs, "labels": labels, "before": before, "outputs": outputs,
+            "loss": loss.detach(), "grads": grads, "after": after, "eval": eval_outputs,
+            "after_eval": after_eval}
+
+
+@pytest.fixture(scope="module")
+def job() -> dict:
+    return distkit.launch(_pipeline_worker, make_args("--world_size", "3", "--threads", "1"))[0]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Here:
+    """Stands in for an RRef in one process: the shards' forward calls ``to_here()``."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def to_here(self) -> torch.Tensor:
+        return self.value
+
+
+def local_shards(states: list[dict]) -> tuple[ResNetShard1, ResNetShard2]:
+    s1, s2 = ResNetShard1("cpu", num_classes=NUM_CLASSES), ResNetShard2("cpu", num_classes=NUM_CLASSES)
+    s1.load_state_dict(states[0])
+    s2.load_state_dict(states[1])
+    return s1, s2
+
+
+def local_forward(s1: ResNetShard1, s2: ResNetShard2, inputs: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.cat([s2(Here(s1(Here(x)))) for x in inputs.tensor_split(k)])
+
+
+def test_train_step_matches_single_process_reference(job, one_thread):
+    torch.manual_seed(0)  # the shards' random init is overwritten by load_state_dict
+    s1, s2 = local_shards(job["before"])
+    # BatchNorm normalises each micro-batch by its own statistics, so the reference must
+    # feed the same micro-batches, not the whole batch at once
+    outputs = local_forward(s1, s2, job["inputs"], TRAIN_SPLIT)
+    loss = nn.MSELoss()(outputs, job["labels"])
+    torch.testing.assert_close(job["outputs"], outputs.detach(), **TOL)
+    torch.testing.assert_close(job["loss"], loss.detach(), **TOL)
+
+    loss.backward()
+    for shard, grads in zip((s1, s2), job["grads"]):
+        missing = [name for name, grad in grads.items() if grad is None]
+        assert not missing, f"no distributed gradient for {missing}"
+        for name, p in shard.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m: f"grad {name}: {m}")
+
+    optim.SGD([*s1.parameters(), *s2.parameters()], lr=LR).step()
+    for shard, after in zip((s1, s2), job["after"]):
+        for name, p in shard.named_parameters():
+            torch.testing.assert_close(after[name], p.detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_parameters_change_and_batchnorm_sees_micro_batches(job):
+    for before, after in zip(job["before"], job["after"]):
+        moved = [name for name in before if before[name].is_floating_point()
+                 and "running" not in name and not torch.equal(before[name], after[name])]
+        params = [name for name in before if before[name].is_floating_point() and "running" not in name]
+        assert moved == params, f"unchanged after the step: {sorted(set(params) - set(moved))}"
+        counts = {v.item() for k, v in after.items() if k.endswith("num_batches_tracked")}
+        assert counts == {TRAIN_SPLIT}, "every BatchNorm should count one update per micro-batch"
+
+
+@pytest.mark.parametrize("k", EVAL_SPLITS)
+def test_eval_forward_matches_shards_in_one_process(job, k, one_thread):
+    # eval mode reached the workers: the forwards left BatchNorm's statistics alone
+    for after, after_eval in zip(job["after"], job["after_eval"]):
+        for name in after:
+            assert torch.equal(after[name], after_eval[name]), name
+    s1, s2 = local_shards(job["after"])
+    s1.eval()
+    s2.eval()
+    with torch.no_grad():
+        expected = local_forward(s1, s2, job["inputs"], 1)
+    assert job["eval"][k].shape == (BATCH, NUM_CLASSES)
+    torch.testing.assert_close(job["eval"][k], expected, **TOL)
+
+
+def test_final_feature_size_matches_the_model():
+    s1, s2 = ResNetShard1("cpu", num_classes=2).eval(), ResNetShard2("cpu", num_classes=2).eval()
+    with torch.no_grad():
+        for size in (32, 33, 40):
+            features = s2.seq[:2](s1.seq(torch.zeros(1, 3, size, size)))
+            assert features.shape[-1] == final_feature_size(size), size
+
+
+SMALL = ("--batch_size", "4", "--image_size", "32", "--num_batches", "1", "--warmup", "0",
+         "--num_classes", "10", "--splits", "1", "2")
+
+
+def test_cli_small_run_prints_every_split():
+    proc = run_cli("rpc_pipeline_resnet/main.py", *SMALL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for n in (1, 2):
+        assert f"number of splits = {n}, execution time = " in proc.stdout
+    assert "devices: worker1 cpu, worker2 cpu" in proc.stdout
+
+
+def test_torchrun_launch():
+    proc = run_torchrun(3, "rpc_pipeline_resnet/main.py", *SMALL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "number of splits = 2, execution time = " in proc.stdout
+
+
+BAD_INPUT = [
+    (["--batch_size", "4", "--splits", "1", "8"], "--splits values must be in 1..4"),
+    (["--splits", "0"], "--splits values must be in 1..32"),
+    (["--splits", "2", "-1"], "--splits values must be in 1..32"),
+    (["--image_size", "-64"], "--image_size must be at least 1"),
+    (["--batch_size", "0"], "--batch_size must be at least 1"),
+    (["--num_batches", "0"], "--num_batches must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--batch_size", "4", "--image_size", "32", "--splits", "4"], "give BatchNorm one value"),
+    (["--world_size", "2"], "--world_size must be at least 3"),
+    (["--splits"], "expected at least one argument"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUT)
+def test_bad_input_is_rejected_before_launch(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(distkit, "launch", lambda *a: pytest.fail("launched despite bad input"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [BAD_INPUT[0], BAD_INPUT[-3]])
+def test_bad_input_cli_is_one_line_exit_2(argv, message):
+    proc = run_cli("rpc_pipeline_resnet/main.py", *argv, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert "[rank" not in proc.stdout  # nothing was spawned
