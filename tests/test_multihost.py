@@ -1,0 +1,333 @@
+"""Multi-host runs without machines: network namespaces joined by a bridge stand in for hosts.
+
+Each "host" is a network namespace with one veth interface (``eth0``, 10.231.0.i/24) on a
+bridge that lives in a namespace of its own; nothing is added to this machine's own network
+and no address outside those namespaces is used. Each host's command runs as the docs
+(docs/multi_host.md) tell a user to run it on a real machine, under ``ip netns exec`` and
+in a PID namespace of its own: TensorPipe copies tensors between processes that share a
+PID namespace with process_vm_readv (its CMA channel) instead of sending them over TCP,
+which real machines cannot do.
+
+The runs must train exactly as on one host, compared with a single-host run of the same
+configuration: ddp_rpc's per-rank results (each host runs ``ddp_rpc/main.py``'s ``main``
+through ``_run_and_keep_results`` at the bottom of this file, which also saves what the
+launcher returned), pipelining_transformer's printed losses. While they run, the listening
+sockets of every host are read from /proc: distkit's processes bind where the user said
+(``--master_addr``, ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME``), never on every interface.
+
+Root is needed to create namespaces; elsewhere these tests skip with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import distkit
+from conftest import REPO
+
+SUBNET = "10.231.0"
+IFNAME = "eth0"  # each host's interface; the interface variables name it
+# The hosts are fresh private namespaces, so any port is free in them: a fixed one per
+# test (not one shared by all: a closed store's port may linger in TIME_WAIT).
+DDP_RPC_PORT, C10D_PORT, STATIC_PORT = 29400, 29410, 29420
+HOST_TIMEOUT = 200  # seconds for all hosts of one run, start-up included (slow, shared CPUs)
+
+
+@dataclass(frozen=True)
+class Host:
+    ns: str
+    addr: str
+
+
+@dataclass
+class HostRun:
+    host: Host
+    returncode: int
+    output: str
+    listening: set[tuple[str, int]]  # (address, port) of every listening TCP socket seen
+
+
+def _ip(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *argv], capture_output=True, text=True, check=True, timeout=30)
+
+
+def _teardown(namespaces: list[str]) -> None:
+    """Kill what still runs in each namespace (only this test's processes live there), drop it.
+
+    Deleting a namespace also deletes its end of every veth pair, and so the pair.
+    """
+    for ns in namespaces:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+        for pid in pids.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Three hosts on one bridge; torn down after the module's tests, failed or not."""
+    if os.geteuid() != 0:
+        pytest.skip("multi-host tests create network namespaces, which needs root")
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"multi-host tests need `{tool}` (iproute2, util-linux)")
+    prefix = f"mh{os.getpid()}"  # unique per test run
+    bridge = f"{prefix}br"
+    try:
+        _ip("netns", "add", bridge)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"`ip netns add` is not available here: {e.stderr.strip()}")
+    created = [bridge]
+    try:
+        _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
+        _ip("-n", bridge, "link", "set", "br0", "up")
+        result = []
+        for i in (1, 2, 3):
+            host = Host(f"{prefix}h{i}", f"{SUBNET}.{i}")
+            _ip("netns", "add", host.ns)
+            created.append(host.ns)
+            # the veth pair is born in the bridge's namespace, its host end moved straight
+            # into the host's: nothing ever appears in this machine's own namespace
+            _ip("-n", bridge, "link", "add", f"p{i}", "type", "veth", "peer", "name", IFNAME,
+                "netns", host.ns)
+            _ip("-n", bridge, "link", "set", f"p{i}", "master", "br0")
+            _ip("-n", bridge, "link", "set", f"p{i}", "up")
+            _ip("-n", host.ns, "link", "set", "lo", "up")
+            _ip("-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", IFNAME)
+            _ip("-n", host.ns, "link", "set", IFNAME, "up")
+            result.append(host)
+        yield result
+    finally:
+        _teardown(created)
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """Listening TCP sockets of the network namespace process ``pid`` runs in."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:  # the process is gone
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            # each 32-bit word of the address is in the kernel's (little-endian) byte order
+            raw = b"".join(bytes.fromhex(hex_addr[i:i + 8])[::-1] for i in range(0, len(hex_addr), 8))
+            found.add((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
+def run_on_hosts(jobs: list[tuple[Host, list[str], dict[str, str]]], tmp_path: Path) -> list[HostRun]:
+    """Start ``python ARGV`` on every host at once (one command per host, as on real
+    machines), watch their listening sockets, wait for all; kill all if they take too long."""
+    procs = []
+    for i, (host, argv, env) in enumerate(jobs):
+        log = open(tmp_path / f"host{i}.log", "w")
+        cmd = ["ip", "netns", "exec", host.ns, "unshare", "--pid", "--fork", "--kill-child",
+               sys.executable, *argv]
+        procs.append((subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                                       start_new_session=True), log))
+    listening: list[set[tuple[str, int]]] = [set() for _ in jobs]
+    deadline = time.monotonic() + HOST_TIMEOUT
+    try:
+        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+            for seen, (p, _) in zip(listening, procs):
+                if p.poll() is None:
+                    seen |= _listening(p.pid)
+            time.sleep(0.25)
+    finally:
+        timed_out = [i for i, (p, _) in enumerate(procs) if p.poll() is None]
+        for p, log in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the session this test started for it
+            p.wait()
+            log.close()
+    runs = [HostRun(host, p.returncode, (tmp_path / f"host{i}.log").read_text(), seen)
+            for i, ((host, _, _), (p, _), seen) in enumerate(zip(jobs, procs, listening))]
+    if timed_out:
+        pytest.fail(f"hosts {timed_out} still ran after {HOST_TIMEOUT} s:\n" + _outputs(runs))
+    return runs
+
+
+def _outputs(runs: list[HostRun]) -> str:
+    return "\n".join(f"--- {r.host.ns} ({r.host.addr}), exit {r.returncode}:\n{r.output}"
+                     for r in runs)
+
+
+def _assert_all_succeeded(runs: list[HostRun]) -> None:
+    assert all(r.returncode == 0 for r in runs), _outputs(runs)
+
+
+def _assert_bound_to_own_address(run: HostRun, ignore_ports: tuple[int, ...] = ()) -> None:
+    for addr, port in run.listening:
+        if port in ignore_ports:
+            continue
+        assert addr == run.host.addr or ipaddress.ip_address(addr).is_loopback, (
+            f"{run.host.ns} listens on {addr}:{port}, not on its own address {run.host.addr}")
+
+
+def _make_args(build_parser, check_args, *argv: str) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    check_args(parser, args)
+    return args
+
+
+# ---------------------------------------------------------------- ddp_rpc, 4 roles on 3 hosts
+
+# One iteration: every trainer updates the shared table on the parameter server whenever
+# its step gets there, so from the second iteration on a trainer's lookup may or may not
+# see the other's last update, on one host as on three (the tutorial's asynchronous design).
+# After one iteration everything is determined: both losses, fc (DDP-averaged) and the table.
+# --threads 1 everywhere: a host's processes and the single-host reference then do the
+# same arithmetic in the same order.
+DDP_RPC = ("--world_size", "4", "--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "8",
+           "--seed", "2", "--lr", "0.5", "--threads", "1")
+# host -> ranks: trainer0 (and the job's store) | trainer1 and the master | the parameter server.
+# DDP's allreduce, the RPCs to the table and the distributed backward all cross hosts.
+DDP_RPC_RANKS = ("0", "1-2", "3")
+RPC_IFACES = {"GLOO_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME}
+
+
+def _printed(pattern: str, output: str) -> list[float]:
+    return [float(x) for x in re.findall(pattern, output)]
+
+
+def test_ddp_rpc_roles_spread_over_three_hosts(hosts, tmp_path):
+    from ddp_rpc.main import build_parser, check_args, run_worker
+
+    ref = distkit.launch(run_worker, _make_args(build_parser, check_args, *DDP_RPC))[2]
+    # every machine runs the same command with its own --ranks and the master's address
+    jobs = [(host, [__file__, str(tmp_path / f"host{i}.pt"), "ddp_rpc/main.py", *DDP_RPC,
+                    "--ranks", ranks, "--master_addr", hosts[0].addr,
+                    "--master_port", str(DDP_RPC_PORT)], RPC_IFACES)
+            for i, (host, ranks) in enumerate(zip(hosts, DDP_RPC_RANKS))]
+    runs = run_on_hosts(jobs, tmp_path)
+    _assert_all_succeeded(runs)
+    results = [torch.load(tmp_path / f"host{i}.pt", weights_only=False) for i in range(3)]
+    assert [sorted(r) for r in results] == [[], [2], []]  # only the master returns something
+    out = results[1][2]  # the master ran on host 2
+
+    # trained as on one host: the same losses, the same DDP-averaged fc on both trainers,
+    # the same embedding table after both trainers' steps
+    for report, expected in zip(out["trainers"], ref["trainers"]):
+        torch.testing.assert_close(report.losses, expected.losses)
+        for name, p in expected.fc_after.items():
+            torch.testing.assert_close(report.fc_before[name], expected.fc_before[name])
+            torch.testing.assert_close(report.fc_after[name], p)
+    torch.testing.assert_close(out["emb_before"], ref["emb_before"])
+    torch.testing.assert_close(out["emb_after"], ref["emb_after"])
+    assert not torch.equal(out["emb_after"], out["emb_before"])
+    # and each trainer logged its loss on its own host (4 decimals)
+    for rank, run in ((0, runs[0]), (1, runs[1])):
+        printed = _printed(rf"\[rank {rank}\] Training done for epoch 0: loss ([\d.]+)", run.output)
+        torch.testing.assert_close(printed, ref["trainers"][rank].losses[0], rtol=0, atol=1e-4)
+    assert "fc identical on all trainers: True" in runs[1].output
+
+    # binds where the user said: the store on --master_addr, gloo and TensorPipe on the
+    # interface the variables name; nothing on every interface
+    assert (hosts[0].addr, DDP_RPC_PORT) in runs[0].listening, runs[0].listening
+    for run in runs:
+        assert run.listening, f"no listening socket seen on {run.host.ns}"
+        _assert_bound_to_own_address(run)
+
+
+# ------------------------------------------- pipelining_transformer, one stage per host
+
+# a tiny model; dropout 0 and SGD as in test_pipelining_transformer's equivalence tests
+PIPELINE = ("--world_size", "2", "--dim", "16", "--n_heads", "2", "--n_layers", "2",
+            "--vocab_size", "32", "--seq_len", "8", "--batch_size", "8", "--n_microbatches", "4",
+            "--steps", "4", "--dropout", "0", "--optimizer", "sgd", "--lr", "0.1", "--seed", "3",
+            "--threads", "1")
+PIPELINE_IFACES = {"GLOO_SOCKET_IFNAME": IFNAME}  # no RPC: TensorPipe is not used
+
+
+def _torchrun_argv(rendezvous: str, node: int, hosts: list[Host]) -> list[str]:
+    """The per-machine torchrun command of docs/multi_host.md for a 2-machine run."""
+    argv = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+    if rendezvous == "static":  # node_rank fixes which machine runs which ranks
+        argv += ["--node_rank", str(node), "--master_addr", hosts[0].addr,
+                 "--master_port", str(STATIC_PORT)]
+    else:
+        # the host names of these namespaces resolve to 127.0.0.1 (as on many Debian
+        # machines, 127.0.1.1): say which machine hosts the rendezvous and what each
+        # machine's address is, instead of letting torchrun guess from the host name
+        argv += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts[0].addr}:{C10D_PORT}",
+                 "--local_addr", hosts[node].addr]
+        if node == 0:
+            argv += ["--rdzv_conf", "is_host=1"]
+    return argv
+
+
+@pytest.mark.parametrize("rendezvous, schedule", [("c10d", "GPipe"), ("static", "1F1B")])
+def test_pipelining_transformer_one_stage_per_host(hosts, tmp_path, rendezvous, schedule):
+    from pipelining_transformer.main import build_parser, check_args, run_worker
+
+    argv = (*PIPELINE, "--schedule", schedule)
+    results = distkit.launch(run_worker, _make_args(build_parser, check_args, *argv))
+    (expected,) = [r["losses"] for r in results.values() if r["losses"] is not None]
+
+    # under torchrun, WORLD_SIZE comes from torchrun; the script is given the same flags
+    jobs = [(host, [*_torchrun_argv(rendezvous, node, hosts), "pipelining_transformer/main.py", *argv],
+             PIPELINE_IFACES) for node, host in enumerate(hosts[:2])]
+    runs = run_on_hosts(jobs, tmp_path)
+    _assert_all_succeeded(runs)
+
+    stage_of = [re.findall(r"\[rank (\d)\] stages \[(\d)\] of 2", run.output) for run in runs]
+    assert sorted(s for found in stage_of for s in found) == [("0", "0"), ("1", "1")], _outputs(runs)
+    if rendezvous == "static":  # --node_rank i runs rank i
+        assert stage_of == [[("0", "0")], [("1", "1")]]
+    # the host with the last stage logs the loss of every step (4 decimals: atol 1e-4)
+    printed = [_printed(r"\[rank \d\] step \d+/\d+  loss ([\d.]+)", run.output) for run in runs]
+    assert sorted(map(len, printed)) == [0, len(expected)], _outputs(runs)
+    torch.testing.assert_close(max(printed, key=len), expected, rtol=0, atol=1e-4,
+                               msg=lambda m: f"{m}\n{_outputs(runs)}")
+
+    # gloo binds to GLOO_SOCKET_IFNAME's address; torchrun's own store (the master port,
+    # and with c10d also a port torchrun picks) is torchrun's business: see the docs
+    if rendezvous == "static":
+        for run in runs:
+            _assert_bound_to_own_address(run, ignore_ports=(STATIC_PORT,))
+
+
+# ------------------------------------------------------- one host's command, results kept
+
+def _run_and_keep_results(argv: list[str]) -> int:
+    """``python tests/test_multihost.py OUT.pt X/main.py FLAGS``: run ``X/main.py FLAGS``
+    exactly as ``python X/main.py FLAGS`` does, and also save what ``distkit.launch``
+    returned on this machine (``{rank: result}`` for the ranks it ran) to OUT.pt."""
+    out, script, *flags = argv
+    launch = distkit.launch
+
+    def launch_and_keep(fn, args):
+        results = launch(fn, args)
+        torch.save(results, out)
+        return results
+
+    distkit.launch = launch_and_keep  # main.py calls distkit.launch(run_worker, args)
+    example = importlib.import_module(script.removesuffix(".py").replace("/", "."))
+    return example.main(flags)
+
+
+if __name__ == "__main__":
+    sys.exit(_run_and_keep_results(sys.argv[1:]))
