@@ -156,9 +156,9 @@ def _send_contiguous_input_grads(stage: PipelineStage) -> None:
     """Make the gradient a stage sends back to the previous stage contiguous.
 
     With batch_first=True, attention transposes its inputs, so the gradient of a stage's
-    input is a transposed view. Zero-bubble schedules (InterleavedZeroBubble, ZBV,
-    DualPipeV) send that ``autograd.grad`` result as it is, and gloo refuses it ("input
-    tensor has to be contiguous"); a full backward reads ``.grad``, which is contiguous.
+    input is a transposed view. A manual ``PipelineStage`` (any schedule) and the
+    zero-bubble schedules' input-only backward (InterleavedZeroBubble, ZBV, DualPipeV, any
+    split) send it as it is, and gloo refuses it ("input tensor has to be contiguous").
     """
     def hook(module: nn.Module, args: tuple) -> None:
         for a in args:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import distkit
 from conftest import run_cli, run_torchrun
-from pipelining_transformer.main import build_parser, build_rank, check_args, model_args_from
+from pipelining_transformer.main import build_parser, build_rank, check_args, main, model_args_from
 from pipelining_transformer.model import Transformer, tokenwise_loss_fn
 from pipelining_transformer.parallel import (
     SCHEDULES,
@@ -170,14 +170,28 @@ def test_torchrun_launch_with_v_shaped_schedule():
 @pytest.mark.parametrize("argv, message", [
     (["--batch_size", "10", "--n_microbatches", "4"], "not divisible by --n_microbatches 4"),
     (["--schedule", "1F1B", "--world_size", "4", "--n_microbatches", "2"],
-     "1F1B cannot run --n_microbatches 2 on 4 ranks"),
+     "1F1B cannot run --n_microbatches 2 on 4 ranks: Number of microbatches (2) must be"),
+    (["--schedule", "DualPipeV", "--n_microbatches", "2"], "DualPipeV cannot run"),
     (["--schedule", "Interleaved1F1B", "--world_size", "4", "--n_layers", "6"],
      "makes 8 stages, more than --n_layers 6"),
     (["--schedule", "PipeDream"], "unknown schedule 'PipeDream'"),
     (["--split", "auto"], "invalid choice: 'auto'"),
+    (["--world_size", "0"], "--world_size must be at least 1"),
 ])
-def test_bad_input_is_one_line_exit_2(argv, message):
-    proc = run_cli("pipelining_transformer/main.py", *argv, timeout=60)
+def test_bad_input_is_rejected_before_launch(argv, message, capsys):
+    # in this process (a process per case would cost seconds each): main() must stop
+    # with status 2 before it launches anything
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_bad_input_from_the_command_line_is_one_line_exit_2():
+    proc = run_cli("pipelining_transformer/main.py", "--schedule", "1f1b", "--world_size", "4",
+                   "--n_microbatches", "2", timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "1F1B cannot run --n_microbatches 2 on 4 ranks" in proc.stderr
     assert "[rank" not in proc.stdout  # nothing was spawned
