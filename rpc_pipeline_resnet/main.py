@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = distkit.ArgumentParser(description="Pipeline-parallel ResNet50 over RPC")
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8], metavar="N",
                         help="numbers of micro-batches per batch to train and time, one run each")
-    parser.add_argument("--batch_size", type=int, default=32, help="images per batch")
-    parser.add_argument("--image_size", type=int, default=64, help="image width and height")
+    parser.add_argument("--batch_size", type=int, default=16, help="images per batch")
+    parser.add_argument("--image_size", type=int, default=128, help="image width and height")
     parser.add_argument("--num_batches", type=int, default=3, help="timed batches per run")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed batches first (memory and oneDNN set-up would otherwise "
@@ -86,6 +86,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--device cuda was asked for, but no CUDA device is visible")
 
 
+def worker_cpu_times() -> list[float]:
+    """CPU seconds each shard's process has used so far (all its threads)."""
+    return [rpc.rpc_sync(name, time.process_time) for name in WORKERS]
+
+
 def run_master(num_split: int, args: argparse.Namespace) -> dict:
     """Train a fresh DistResNet50 for --num_batches batches cut into ``num_split`` micro-batches."""
     # each worker picks its shard's device itself: it knows its own GPUs (shard i gets
@@ -100,13 +105,14 @@ def run_master(num_split: int, args: argparse.Namespace) -> dict:
     # the same seeded data for every num_split, so the runs differ only in pipelining
     gen = torch.Generator().manual_seed(args.seed)
     one_hot_indices = torch.randint(0, args.num_classes, (args.batch_size, 1), generator=gen)
-    losses, batch_times = [], []
+    losses, batch_times, cpu_times = [], [], [0.0, 0.0]
     for i in range(args.warmup + args.num_batches):
         timed = i >= args.warmup
         log.info(f"Processing batch {i}" + ("" if timed else " (warm-up, not timed)"))
         # generate random inputs and labels
         inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
         labels = torch.zeros(args.batch_size, args.num_classes).scatter_(1, one_hot_indices, 1)
+        cpu_before = worker_cpu_times()
         tik = time.perf_counter()
         # the context collects the gradients on every worker the forward pass touched; there
         # is no zero_grad because each batch gets a fresh context (and fresh gradients)
@@ -117,10 +123,11 @@ def run_master(num_split: int, args: argparse.Namespace) -> dict:
             opt.step(context_id)
         if timed:
             batch_times.append(time.perf_counter() - tik)
+            cpu_times = [t + b - a for t, a, b in zip(cpu_times, cpu_before, worker_cpu_times())]
         losses.append(loss.item())
     log.info(f"number of splits = {num_split}, execution time = {sum(batch_times)}")
     return {"num_split": num_split, "time": sum(batch_times), "losses": losses,
-            "batch_times": batch_times, "devices": [str(d) for d in devices]}
+            "batch_times": batch_times, "cpu_times": cpu_times, "devices": [str(d) for d in devices]}
 
 
 def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOptions:
@@ -158,15 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     runs = distkit.launch(run_worker, args).get(0)
     if runs is None:  # a torchrun rank other than 0
         return 0
-    print(f"devices: worker1 {runs[0]['devices'][0]}, worker2 {runs[0]['devices'][1]}; "
-          f"batch {args.batch_size} x 3 x {args.image_size} x {args.image_size}, "
-          f"{args.num_batches} batches")
-    base = runs[0]["time"]
+    print(f"devices: worker1 {runs[0]['devices'][0]}, worker2 {runs[0]['devices'][1]}; batches of "
+          f"{args.batch_size} x 3 x {args.image_size} x {args.image_size}; {args.num_batches} timed "
+          f"after {args.warmup} warm-up")
+    # busy = (CPU seconds of both shard processes) / wall seconds: about 1 when the shards
+    # take turns, up to 2 when they really run side by side (CPU runs only)
+    print("splits  time (s)  speed-up  shard CPU (s)  busy  loss of each batch")
     for run in runs:
-        print(f"number of splits = {run['num_split']}, execution time = {run['time']:.2f} s, "
-              f"speed-up vs {runs[0]['num_split']} split(s) = {base / run['time']:.2f}x, "
-              f"batches = {', '.join(f'{x:.2f}' for x in run['batch_times'])} s, "
-              f"losses = {', '.join(f'{x:.5f}' for x in run['losses'])}")
+        cpu1, cpu2 = run["cpu_times"]
+        print(f"{run['num_split']:6d}  {run['time']:8.2f}  {runs[0]['time'] / run['time']:7.2f}x  "
+              f"{cpu1:6.2f} {cpu2:6.2f}  {(cpu1 + cpu2) / run['time']:4.2f}  "
+              f"{' '.join(f'{x:.4f}' for x in run['losses'])}")
     return 0
 
 

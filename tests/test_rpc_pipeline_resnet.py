@@ -200,8 +200,8 @@ def test_torchrun_launch():
 
 BAD_INPUT = [
     (["--batch_size", "4", "--splits", "1", "8"], "--splits values must be in 1..4"),
-    (["--splits", "0"], "--splits values must be in 1..32"),
-    (["--splits", "2", "-1"], "--splits values must be in 1..32"),
+    (["--splits", "0"], "--splits values must be in 1..16"),
+    (["--splits", "2", "-1"], "--splits values must be in 1..16"),
     (["--image_size", "-64"], "--image_size must be at least 1"),
     (["--batch_size", "0"], "--batch_size must be at least 1"),
     (["--num_batches", "0"], "--num_batches must be at least 1"),
