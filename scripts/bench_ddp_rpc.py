@@ -1,0 +1,124 @@
+"""Benchmark ddp_rpc: iterations per second and the share of each iteration spent communicating.
+
+    python scripts/bench_ddp_rpc.py --quick                        # about a minute on 2 cores
+    python scripts/bench_ddp_rpc.py --plot results/ddp_rpc.png     # 1 and 2 trainers, 3 batch sizes
+
+For each number of trainers and batch size it runs the example itself (``ddp_rpc.main.run_worker``,
+unchanged: the table on the parameter server behind a ``RemoteModule``, ``fc`` in DDP on the
+trainers, distributed autograd and a ``DistributedOptimizer``) and, in this process, what one
+trainer computes per iteration without any of it: the same ``nn.EmbeddingBag`` and
+``nn.Linear`` on the same batches (``get_next_batch``) with a plain ``torch.optim.SGD``, on the
+CPU with the intra-op threads each distributed process gets.
+
+How it is measured (the machinery is ``bench_rpc_rnn``'s, shared):
+  - each trainer's loop is timed from outside: ``dist_autograd.backward`` and
+    ``DistributedOptimizer.step`` are wrapped with timers in the worker processes;
+  - an iteration runs from one optimizer step's end to the next's; "forward" is the iteration
+    minus backward and step (batch, the embedding lookup RPC, ``fc``, loss, context release);
+    "backward" holds the gradient RPC to the parameter server and DDP's allreduce, "step" the
+    optimizer RPCs;
+  - it/s = 1 / median iteration time of a trainer (pooled over trainers), after ``--warmup``;
+    samples/s = trainers x batch size x it/s;
+  - comm share = (distributed - local) / distributed median iteration time: everything a
+    trainer spends beyond its own arithmetic (RPC to the parameter server, the allreduce,
+    waiting for the other trainer and the server, and sharing the cores with 3 other processes);
+  - "RTTs/it" puts that extra time in units of a no-op ``rpc_sync`` round trip measured in the
+    same run.
+The benchmark runs on the CPU (``--device cpu``) so that both sides use the same device.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.optim as optim
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import distkit  # noqa: E402
+from bench_rpc_rnn import PhaseClock, launch_timed, phase_seconds, plot, print_tables  # noqa: E402
+from bench_rpc_rnn import rpc_round_trip, summarize, threads  # noqa: E402
+from benchlib import describe_machine, format_table  # noqa: E402
+from ddp_rpc.main import build_parser as ddp_parser, check_args as ddp_check, run_worker  # noqa: E402
+from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch  # noqa: E402
+
+
+def time_local(config: TrainConfig, warmup: int) -> dict[str, list[float]]:
+    """Trainer 0's iterations in one process: ``HybridModel`` without RPC, DDP or dist autograd."""
+    torch.manual_seed(config.seed)
+    emb = nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum")
+    fc = nn.Linear(EMBEDDING_DIM, NUM_CLASSES)
+    opt = optim.SGD([*emb.parameters(), *fc.parameters()], lr=config.lr)
+    criterion = nn.CrossEntropyLoss()
+    clock = PhaseClock()
+    for indices, offsets, target in get_next_batch(0, config):
+        loss = criterion(fc(emb(indices, offsets)), target)
+        opt.zero_grad()
+        with clock.backward():
+            loss.backward()
+        with clock.step():
+            opt.step()
+        loss.item()  # the example reads every loss too
+    return phase_seconds(clock.marks, warmup)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
+    p.add_argument("--trainers", type=int, nargs="+", default=None,
+                   help="trainers per run, plus a master and a parameter server (default 1 2; quick 2)")
+    p.add_argument("--batch_sizes", type=int, nargs="+", default=None,
+                   help="bags per batch (default 16 256 4096; quick 16 1024)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 200; quick 50)")
+    p.add_argument("--warmup", type=int, default=5, help="iterations dropped before timing")
+    p.add_argument("--rtt_calls", type=int, default=200, help="timed no-op RPC round trips")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="write the time split per configuration here (PNG)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    trainer_counts = args.trainers or ([2] if args.quick else [1, 2])
+    batch_sizes = args.batch_sizes or ([16, 1024] if args.quick else [16, 256, 4096])
+    iters = (50 if args.quick else 200) if args.iters is None else args.iters
+    if min(trainer_counts) < 1 or min(batch_sizes) < 1:
+        parser.error("--trainers and --batch_sizes must be at least 1")
+    if iters < 1 or args.warmup < 1 or args.rtt_calls < 1:
+        parser.error("--iters, --warmup and --rtt_calls must be at least 1")
+    print(describe_machine(max(trainer_counts) + 2))
+    rtt = rpc_round_trip(args.rtt_calls)
+    print(f"# RPC round trip (median of {args.rtt_calls} no-op rpc_sync): {rtt * 1e3:.3f} ms")
+    print("# local: one trainer's batches through the same EmbeddingBag + Linear in one process,"
+          " no RPC, no DDP\n")
+
+    rows = []
+    for trainers in trainer_counts:
+        for batch in batch_sizes:
+            ddp_args = ddp_parser().parse_args([
+                "--world_size", str(trainers + 2), "--epochs", "1",
+                "--batches_per_epoch", str(args.warmup + iters), "--batch_size", str(batch),
+                "--seed", str(args.seed), "--device", "cpu"])
+            ddp_check(ddp_parser(), ddp_args)
+            dist = launch_timed(run_worker, ddp_args, args.warmup)
+            assert len(dist) == trainers, f"{len(dist)} of {trainers} trainers reported times"
+            config = TrainConfig(1, args.warmup + iters, batch, ddp_args.lr, args.seed)
+            with threads(distkit.threads_per_process(trainers + 2)):
+                local = time_local(config, args.warmup)
+            row = summarize(f"{trainers}x{batch}", dist, local, rtt)
+            row["comm share"] = row.pop("rpc share")
+            rows.append({**row, "trainers": trainers, "batch": batch,
+                         "samples/s": round(trainers * batch * row["it/s"]),
+                         "local samples/s": round(batch * row["local it/s"])})
+    print_tables(rows, ["trainers", "batch", "samples/s", "local samples/s"], "comm share")
+    plot(args.plot, rows, "ddp_rpc: where a trainer's iteration goes (trainers x batch)", rest="comm")
+    assert all(math.isfinite(r[k]) for r in rows for k in ("it/s", "local it/s", "comm share"))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""Benchmark rpc_rnn: iterations per second and the share of each iteration spent in RPC.
+
+    python scripts/bench_rpc_rnn.py --quick                        # about a minute on 2 cores
+    python scripts/bench_rpc_rnn.py --plot results/rpc_rnn.png     # default, medium, large models
+
+For each model size it runs the example's own training loop (``rpc_rnn.main.run_worker``,
+unchanged: embedding and decoder on the parameter server, LSTM on the trainer) and, in this
+process, the same three modules (the example's ``EmbeddingTable``, an ``nn.LSTM``, its
+``Decoder``) on the same batches with a plain ``torch.optim.SGD``: no RPC, no distributed
+autograd. Both run on the CPU with the same intra-op threads per process, so both do the
+same arithmetic; the computation is serial in both (the trainer waits for every RPC).
+
+How it is measured:
+  - the trainer's loop is timed from outside: in the worker processes ``dist_autograd.backward``
+    and ``DistributedOptimizer.step`` are wrapped with timers (``PhaseClock``), the local loop
+    times ``loss.backward()`` and ``opt.step()`` with the same clock;
+  - an iteration runs from one optimizer step's end to the next's; "forward" is the iteration
+    minus backward and step (batch, forward with its two RPCs, loss, context release);
+  - it/s = 1 / median iteration time, over the iterations after ``--warmup``;
+  - rpc share = (distributed - local) / distributed median iteration time: the part of an
+    iteration that is not the model's own arithmetic (RPC messages, serialisation, the RPC
+    threads, distributed autograd's bookkeeping, waiting for the other process);
+  - "RTTs/it" puts that extra time in units of a no-op ``rpc_sync`` round trip measured in the
+    same run (``bench_rpc_rl.rtt_worker``).
+The benchmark runs on the CPU (``--device cpu``) so that both sides use the same device.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn as nn
+import torch.optim as optim
+from torch.distributed.optim import DistributedOptimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import distkit  # noqa: E402
+from benchlib import describe_machine, format_table, median, save_plot  # noqa: E402
+from rpc_rnn.main import build_parser as rnn_parser, check_args as rnn_check  # noqa: E402
+from rpc_rnn.main import get_next_batch, make_stream, run_worker  # noqa: E402
+from rpc_rnn.rnn import Decoder, EmbeddingTable  # noqa: E402
+
+PHASES = ("forward", "backward", "step")
+
+# model sizes: the example's defaults, and two larger ones (the last is about the word
+# language model's small configuration: 200-wide embedding and LSTM, 35 steps of 20 sequences)
+CONFIGS: dict[str, dict[str, int]] = {
+    "tiny": dict(ntoken=7, ninp=4, nhid=5, nlayers=1, seq_len=3, batch_size=2),
+    "default": dict(ntoken=10, ninp=16, nhid=32, nlayers=2, seq_len=5, batch_size=8),
+    "medium": dict(ntoken=1000, ninp=64, nhid=128, nlayers=2, seq_len=20, batch_size=32),
+    "large": dict(ntoken=10000, ninp=200, nhid=200, nlayers=2, seq_len=35, batch_size=20),
+}
+
+
+@dataclass
+class PhaseClock:
+    """Timestamps of one training loop: (backward start, end, step start, end) per iteration."""
+
+    marks: list[tuple[float, float, float, float]] = field(default_factory=list)
+    _backward: tuple[float, float] = (math.nan, math.nan)
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self._backward = (start, time.perf_counter())
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.marks.append((*self._backward, start, time.perf_counter()))
+
+    def wrap_distributed(self) -> None:
+        """Time every ``dist_autograd.backward`` and ``DistributedOptimizer.step`` in this process.
+
+        The examples call both through the module and the class, so their loops are timed
+        as they are, without a line changed.
+        """
+        backward, step = dist_autograd.backward, DistributedOptimizer.step
+
+        def timed_backward(*args: Any, **kwargs: Any) -> None:
+            with self.backward():
+                backward(*args, **kwargs)
+
+        def timed_step(opt: DistributedOptimizer, *args: Any, **kwargs: Any) -> None:
+            with self.step():
+                step(opt, *args, **kwargs)
+
+        dist_autograd.backward = timed_backward
+        DistributedOptimizer.step = timed_step  # type: ignore[method-assign]
+
+
+def phase_seconds(marks: list[tuple[float, float, float, float]], warmup: int) -> dict[str, list[float]]:
+    """Per-iteration seconds of each phase, for the iterations after the first ``warmup``."""
+    out: dict[str, list[float]] = {p: [] for p in (*PHASES, "iteration")}
+    for i in range(max(1, warmup), len(marks)):
+        b0, b1, s0, s1 = marks[i]
+        total = s1 - marks[i - 1][3]
+        out["iteration"].append(total)
+        out["backward"].append(b1 - b0)
+        out["step"].append(s1 - s0)
+        out["forward"].append(total - (b1 - b0) - (s1 - s0))
+    return out
+
+
+def timed_run(run: Callable, worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """Runs in every process of the job: the example's own ``run_worker``, with a clock on."""
+    clock = PhaseClock()
+    clock.wrap_distributed()
+    return {"result": run(worker, args), "marks": clock.marks}
+
+
+def launch_timed(run: Callable, args: argparse.Namespace, warmup: int) -> list[dict[str, list[float]]]:
+    """Run the example once; the phase times of every process that trained (one per trainer)."""
+    out = distkit.launch(functools.partial(timed_run, run), args)
+    return [phase_seconds(r["marks"], warmup) for _, r in sorted(out.items()) if r["marks"]]
+
+
+def rpc_round_trip(calls: int) -> float:
+    """Median seconds of a no-op ``rpc_sync`` between two processes of this machine."""
+    from bench_rpc_rl import rtt_worker  # lazily: it imports the RL example
+
+    args = argparse.Namespace(world_size=2, ranks=None, master_addr=None, master_port=None,
+                              device="cpu", threads=None, rtt_calls=calls)
+    return median(distkit.launch(rtt_worker, args)[0])
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    """The local reference gets the intra-op threads each distributed process got."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def summarize(name: str, dist: list[dict[str, list[float]]], local: dict[str, list[float]],
+              rtt: float) -> dict:
+    """One table row: medians (pooled over trainers) beside the local reference's."""
+    row: dict[str, Any] = {"config": name}
+    for key in (*PHASES, "iteration"):
+        row[f"{key} ms"] = 1e3 * median([t for d in dist for t in d[key]])
+        row[f"local {key} ms"] = 1e3 * median(local[key])
+    d, loc = row.pop("iteration ms"), row.pop("local iteration ms")
+    row.update({"ms/it": d, "local ms/it": loc, "it/s": 1e3 / d, "local it/s": 1e3 / loc,
+                "rpc share": (d - loc) / d, "RTTs/it": (d - loc) / (1e3 * rtt)})
+    return row
+
+
+def print_tables(rows: list[dict], extra: list[str], share: str) -> None:
+    print(format_table(["config", *extra, "it/s", "local it/s", "ms/it", "local ms/it", share,
+                        "RTTs/it"], rows))
+    print("\n# median ms per phase, distributed (local): where the extra time goes")
+    phase_rows = [{"config": r["config"], **{p: f"{r[f'{p} ms']:.3g} ({r[f'local {p} ms']:.3g})"
+                                             for p in PHASES}} for r in rows]
+    print(format_table(["config", *PHASES], phase_rows))
+
+
+def plot(path: str | None, rows: list[dict], title: str, rest: str = "rpc") -> None:
+    """One bar per configuration: its distributed iteration, split into each phase's local
+    arithmetic (solid) and the rest of that phase (hatched), in % of the iteration."""
+    def draw(ax):
+        colors = dict(zip(PHASES, ("tab:blue", "tab:orange", "tab:green")))
+        x = range(len(rows))
+        bottom = [0.0] * len(rows)
+        for p in PHASES:
+            for part in ("compute", rest):
+                heights = []
+                for r in rows:
+                    compute = min(r[f"local {p} ms"], r[f"{p} ms"])
+                    heights.append(100 * (compute if part == "compute" else r[f"{p} ms"] - compute)
+                                   / sum(r[f"{q} ms"] for q in PHASES))
+                ax.bar(x, heights, bottom=bottom, color=colors[p], label=f"{p}: {part}",
+                       alpha=1.0 if part == "compute" else 0.35,
+                       hatch=None if part == "compute" else "//")
+                bottom = [b + h for b, h in zip(bottom, heights)]
+        for i, r in enumerate(rows):
+            ax.text(i, 101, f"{r['it/s']:.3g} it/s", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(x), [r["config"] for r in rows])
+        ax.set_ylim(0, 112)
+        ax.set_ylabel("% of a distributed iteration")
+        ax.set_title(title)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+
+    save_plot(path, draw)
+
+
+# ---------------------------------------------------------------- rpc_rnn itself
+
+
+class LocalRNN(nn.Module):
+    """The reference: the example's remote modules and its LSTM, all in this process."""
+
+    def __init__(self, ntoken: int, ninp: int, nhid: int, nlayers: int, dropout: float) -> None:
+        super().__init__()
+        self.emb = EmbeddingTable(ntoken, ninp, dropout, "cpu")
+        self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout if nlayers > 1 else 0.0)
+        self.dec = Decoder(ntoken, nhid, dropout)
+
+    def forward(self, input: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        output, hidden = self.rnn(self.emb(input), hidden)
+        return self.dec(output), hidden
+
+
+def time_local(args: argparse.Namespace, warmup: int) -> dict[str, list[float]]:
+    """``run_trainer``'s loop, one process, ``torch.optim.SGD``: what the arithmetic costs."""
+    torch.manual_seed(args.seed)
+    model = LocalRNN(args.ntoken, args.ninp, args.nhid, args.nlayers, args.dropout)
+    opt = optim.SGD(model.parameters(), lr=args.lr)
+    criterion = nn.CrossEntropyLoss()
+    stream = make_stream(args.ntoken, args.pattern_len, args.batch_size,
+                         args.batches * args.seq_len + 1, args.seed)
+    shape = (args.nlayers, args.batch_size, args.nhid)
+    hidden = (torch.zeros(shape), torch.zeros(shape))
+    clock = PhaseClock()
+    for data, target in get_next_batch(stream, args.seq_len):
+        hidden = tuple(h.detach() for h in hidden)
+        output, hidden = model(data, hidden)
+        loss = criterion(output.reshape(-1, args.ntoken), target.reshape(-1))
+        opt.zero_grad()
+        with clock.backward():
+            loss.backward()
+        with clock.step():
+            opt.step()
+        loss.item()  # the example reads every loss too
+    return phase_seconds(clock.marks, warmup)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
+                   help="model sizes (default: default medium large; quick: default medium)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 100; quick 30)")
+    p.add_argument("--warmup", type=int, default=5, help="iterations dropped before timing")
+    p.add_argument("--rtt_calls", type=int, default=200, help="timed no-op RPC round trips")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--plot", default=None, help="write the time split per configuration here (PNG)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configs = args.configs or (["default", "medium"] if args.quick else ["default", "medium", "large"])
+    iters = (30 if args.quick else 100) if args.iters is None else args.iters
+    if iters < 1 or args.warmup < 1 or args.rtt_calls < 1:
+        parser.error("--iters, --warmup and --rtt_calls must be at least 1")
+    n_threads = distkit.threads_per_process(2)
+    print(describe_machine(2, n_threads))
+    rtt = rpc_round_trip(args.rtt_calls)
+    print(f"# RPC round trip (median of {args.rtt_calls} no-op rpc_sync): {rtt * 1e3:.3f} ms")
+    print(f"# local: the same modules and batches in one process, {n_threads} thread(s), no RPC\n")
+
+    rows = []
+    for name in configs:
+        sizes = [x for k, v in CONFIGS[name].items() for x in (f"--{k}", str(v))]
+        rnn_args = rnn_parser().parse_args([*sizes, "--epochs", "1", "--batches", str(args.warmup + iters),
+                                            "--seed", str(args.seed), "--device", "cpu"])
+        rnn_check(rnn_parser(), rnn_args)
+        dist = launch_timed(run_worker, rnn_args, args.warmup)
+        with threads(n_threads):
+            local = time_local(rnn_args, args.warmup)
+        rows.append({**summarize(name, dist, local, rtt), **CONFIGS[name]})
+    print("# model sizes (--ntoken ... --batch_size of rpc_rnn/main.py)")
+    print(format_table(["config", *CONFIGS["default"]], rows))
+    print()
+    print_tables(rows, [], "rpc share")
+    plot(args.plot, rows, "rpc_rnn: where a distributed iteration goes")
+    assert all(math.isfinite(r[k]) for r in rows for k in ("it/s", "local it/s", "rpc share"))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

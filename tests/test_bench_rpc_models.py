@@ -1,0 +1,93 @@
+"""The ddp_rpc and rpc_rnn benchmarks run once on a tiny configuration: complete, finite tables.
+
+Nothing here is timed against a threshold; speed is the benchmarks' business.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+
+import pytest
+
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+PHASE_KEYS = [f"{pre}{p} ms" for pre in ("", "local ") for p in ("forward", "backward", "step")]
+RATE_KEYS = ["it/s", "local it/s", "ms/it", "local ms/it", "RTTs/it", *PHASE_KEYS]
+
+
+def run_bench(name: str, argv: list[str], capsys) -> tuple[list[dict], str]:
+    rows = importlib.import_module(name).main(argv)
+    return rows, capsys.readouterr().out
+
+
+def assert_complete(rows: list[dict], share: str) -> None:
+    for row in rows:
+        for key in [*RATE_KEYS, share]:
+            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (key, row)
+        for key in [*RATE_KEYS[:4], *PHASE_KEYS]:
+            assert row[key] > 0, (key, row)
+        assert row[share] < 1, row
+        # it/s is the inverse of the median iteration, not of a sum of phase medians
+        assert row["it/s"] == pytest.approx(1e3 / row["ms/it"])
+
+
+def test_phase_seconds_splits_each_iteration():
+    from bench_rpc_rnn import phase_seconds
+
+    # (backward start, backward end, step start, step end) of three iterations
+    marks = [(0.0, 1.0, 1.0, 2.0), (3.0, 5.0, 6.0, 7.0), (8.0, 9.0, 10.0, 12.0)]
+    assert phase_seconds(marks, warmup=1) == {
+        "forward": [2.0, 2.0], "backward": [2.0, 1.0], "step": [1.0, 2.0], "iteration": [5.0, 5.0]}
+    assert phase_seconds(marks, warmup=2)["iteration"] == [5.0]
+
+
+def test_bench_rpc_rnn(capsys, tmp_path):
+    plot = tmp_path / "rnn.png"
+    rows, out = run_bench("bench_rpc_rnn", ["--configs", "tiny", "--iters", "3", "--warmup", "1",
+                                            "--rtt_calls", "10", "--plot", str(plot)], capsys)
+    assert out.startswith("# machine:")
+    assert "RPC round trip" in out and "where the extra time goes" in out
+    assert [r["config"] for r in rows] == ["tiny"] and rows[0]["nhid"] == 5
+    assert_complete(rows, "rpc share")
+    assert plot.stat().st_size > 0
+
+
+def test_bench_ddp_rpc(capsys, tmp_path):
+    plot = tmp_path / "ddp.png"
+    rows, out = run_bench("bench_ddp_rpc", ["--trainers", "2", "--batch_sizes", "4", "--iters", "3",
+                                            "--warmup", "1", "--rtt_calls", "10", "--plot", str(plot)],
+                          capsys)
+    assert out.startswith("# machine:")
+    assert "RPC round trip" in out and "where the extra time goes" in out
+    assert [(r["trainers"], r["batch"]) for r in rows] == [(2, 4)]
+    assert_complete(rows, "comm share")
+    assert rows[0]["samples/s"] == round(2 * 4 * rows[0]["it/s"])
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("scripts/bench_rpc_rnn.py", ["--configs", "tiny", "--iters", "2", "--warmup", "1", "--rtt_calls", "5"]),
+    ("scripts/bench_ddp_rpc.py", ["--trainers", "1", "--batch_sizes", "2", "--iters", "2",
+                                  "--warmup", "1", "--rtt_calls", "5"]),
+])
+def test_cli_run(script, argv):
+    """As a script (its workers pickled from ``__main__``), on a reduced configuration."""
+    proc = run_cli(script, *argv, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("# machine:")
+    assert "where the extra time goes" in proc.stdout
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("scripts/bench_rpc_rnn.py", ["--iters", "0"], "--iters, --warmup and --rtt_calls must be at least 1"),
+    ("scripts/bench_rpc_rnn.py", ["--configs", "huge"], "invalid choice: 'huge'"),
+    ("scripts/bench_ddp_rpc.py", ["--batch_sizes", "0"], "--trainers and --batch_sizes must be at least 1"),
+])
+def test_bad_input_is_one_line_exit_2(script, argv, message):
+    proc = run_cli(script, *argv, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert "# machine" not in proc.stdout  # nothing was measured
