@@ -22,6 +22,8 @@ import signal
 import socket
 import sys
 import tempfile
+import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
+from multiprocessing import connection as mp_connection
 
 from .device import DEVICE_CHOICES, pick_device, threads_per_process
 
@@ -161,7 +164,7 @@ def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Names
                         int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0)),
                         args.device)
-        return {worker.rank: _run(fn, worker, args)}
+        return {worker.rank: _run(fn, worker, args)}  # torchrun reports a failure itself
     return _spawn(fn, args)
 
 
@@ -179,29 +182,58 @@ def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
                               wait_for_workers=False, timeout=STORE_TIMEOUT)
     else:
         port = args.master_port
-    result_dir = tempfile.mkdtemp(prefix="distkit-")
-    ctx = mp.start_processes(_spawned, args=(fn, args, ranks, addr, port, result_dir),
-                             nprocs=len(ranks), join=False, start_method="spawn")
+    result_dir = Path(tempfile.mkdtemp(prefix="distkit-"))
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=_spawned, args=(i, fn, args, ranks, addr, port, str(result_dir)),
+                           name=f"rank{rank}") for i, rank in enumerate(ranks)]
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        while not ctx.join(timeout=0.5, grace_period=5):
-            pass
-        return {int(p.stem): torch.load(p, weights_only=False)
-                for p in sorted(Path(result_dir).glob("*.pt"))}
-    except mp.ProcessRaisedException as e:
-        body = str(e).split("\n", 2)[-1]  # drop mp's "-- Process i terminated ..." header
-        _die(f"rank {ranks[e.error_index]} failed:\n{body}")
-    except mp.ProcessExitedException as e:
-        how = f"signal {e.signal_name}" if e.signal_name else f"exit status {e.exit_code}"
-        _die(f"rank {ranks[e.error_index]} died ({how}); the job is stopped")
+        for p in procs:
+            p.start()
+        _wait(procs, ranks, result_dir)
+        return {int(p.stem): torch.load(p, weights_only=False) for p in sorted(result_dir.glob("*.pt"))}
     except KeyboardInterrupt:
         _die("interrupted; all workers stopped", status=130)
     finally:
         signal.signal(signal.SIGTERM, old_term)
-        _stop(ctx.processes)
+        _stop(procs)
         del store
         shutil.rmtree(result_dir, ignore_errors=True)
     raise AssertionError("unreachable")
+
+
+def _wait(procs: list, ranks: list[int], result_dir: Path) -> None:
+    """Return once every worker has exited 0; at the first failure stop them all and exit 1."""
+    while True:
+        failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed:
+            _stop(procs)
+            _die(_root_cause(failed, procs, ranks, result_dir))
+        if all(p.exitcode == 0 for p in procs):
+            return
+        mp_connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=1)
+
+
+def _root_cause(failed: list[int], procs: list, ranks: list[int], result_dir: Path) -> str:
+    """The failure that came first; the others are mostly its echoes (a peer's socket closing).
+
+    Exit order says little: a rank that raises can take longer to exit than the peer whose
+    connection it closed on the way out. So workers record when they raised, and a rank
+    killed by a signal (it could record nothing) counts as first.
+    """
+    for i in failed:
+        if procs[i].exitcode < 0:
+            name = signal.Signals(-procs[i].exitcode).name
+            return f"rank {ranks[i]} died (signal {name}); the job is stopped"
+    records = []
+    for path in result_dir.glob("*.failed"):
+        when, _, trace = path.read_text().partition("\n")
+        records.append((float(when), int(path.stem), trace))
+    if records:
+        _, rank, trace = min(records)
+        return f"rank {rank} failed:\n{trace}"
+    i = failed[0]
+    return f"rank {ranks[i]} died (exit status {procs[i].exitcode}); the job is stopped"
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -238,12 +270,15 @@ def _spawned(index: int, fn: Callable, args: argparse.Namespace, ranks: list[int
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     worker = Worker(rank, args.world_size, index, len(ranks), addr, port, args.device)
-    result = _run(fn, worker, args)
+    try:
+        result = _run(fn, worker, args, failure_file=os.path.join(result_dir, f"{rank}.failed"))
+    except BaseException:
+        raise SystemExit(1) from None  # the launcher prints the traceback, once
     if result is not None:
         torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
 
 
-def _run(fn: Callable, worker: Worker, args: argparse.Namespace) -> Any:
+def _run(fn: Callable, worker: Worker, args: argparse.Namespace, failure_file: str | None = None) -> Any:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     # torch.distributed.rpc's own shutdown trips this deprecation; nothing a user can act on
     warnings.filterwarnings("ignore", message="You are using a Backend")
@@ -253,6 +288,8 @@ def _run(fn: Callable, worker: Worker, args: argparse.Namespace) -> Any:
     try:
         result = fn(worker, args)
     except BaseException:
+        if failure_file:  # before cleanup: cleaning up is what makes the peers fail next
+            Path(failure_file).write_text(f"{time.time()}\n{traceback.format_exc()}")
         cleanup(graceful=False)
         raise
     cleanup(graceful=True)

@@ -25,6 +25,7 @@ import pytest
 import distkit
 from conftest import REPO
 
+TINY_GPT = ("--dim", "32", "--n_layers", "2", "--n_heads", "2", "--vocab_size", "64")
 READY_TIMEOUT = 180  # a loaded 2-core CI machine needs a while to import torch N times
 
 
@@ -53,6 +54,18 @@ EXAMPLES = {
         r"loss",
         ("rpc_rnn/main.py", "--epochs", "1", "--batches", "2"),
         1, "torch.distributed.autograd:backward"),
+    "rpc_pipeline_resnet": Example(
+        ("rpc_pipeline_resnet/main.py", "--batch_size", "4", "--image_size", "32", "--splits", "2",
+         "--num_batches", "100000"),
+        r"Processing batch",
+        ("rpc_pipeline_resnet/main.py", "--batch_size", "4", "--image_size", "32", "--splits", "2",
+         "--num_batches", "1"),
+        0, "torch.distributed.autograd:backward"),
+    "pipelining_transformer": Example(
+        ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "100000"),
+        r"step 1/",
+        ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "4"),
+        1, "pipelining_transformer.parallel:PipelineRank.optimizer_step"),
 }
 
 
