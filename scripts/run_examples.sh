@@ -9,3 +9,8 @@ PY=${PYTHON:-.venv/bin/python}
 run() { echo; echo "=== $*"; "$@"; }
 
 run "$PY" rpc_rl/main.py --world_size 3 --reward_threshold 100
+run "$PY" ddp_rpc/main.py
+run "$PY" rpc_rnn/main.py
+run "$PY" rpc_pipeline_resnet/main.py
+# the pipelining tutorial's launcher: torchrun, one stage per process
+run "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 pipelining_transformer/main.py
