@@ -78,7 +78,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     """Rank 0 trains as the agent; every other rank waits to serve as an observer."""
-    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
+    # TCP only: TensorPipe's shared-memory transport busy-polls, a cost five processes on a
+    # small CPU cannot afford (and the one that runs between machines anyway)
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout, _transports=["uv"])
     if worker.rank != 0:
         rpc.init_rpc(OBSERVER_NAME.format(worker.rank), rank=worker.rank,
                      world_size=worker.world_size, rpc_backend_options=options)

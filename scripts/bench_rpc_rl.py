@@ -29,7 +29,9 @@ def _noop() -> None:
 
 def rtt_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float] | None:
     """Rank 0 times ``rpc_sync`` calls of a no-op on rank 1."""
-    rpc.init_rpc(f"w{worker.rank}", rank=worker.rank, world_size=2)
+    # the transport rpc_rl uses: TCP only
+    options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"])
+    rpc.init_rpc(f"w{worker.rank}", rank=worker.rank, world_size=2, rpc_backend_options=options)
     times = None
     if worker.rank == 0:
         for _ in range(20):  # warm-up: connections, thread pool
