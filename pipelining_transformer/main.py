@@ -16,6 +16,12 @@ One rank per process under torchrun, as the tutorial launches it:
     torchrun --nproc_per_node 2 pipelining_transformer/main.py --schedule ZBVZeroBubble
 The model is the tutorial's (dim 512, 8 layers, 8 heads, vocabulary 10000); the batch is
 CPU-sized (8 x 16 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell.
+
+Checkpoint every 5 steps; after a crash, go on from the newest complete checkpoint (with
+any number of stages: checkpoints hold the full model's names, not the split):
+    python pipelining_transformer/main.py --steps 20 --checkpoint_dir ckpt --checkpoint_every 5
+    python pipelining_transformer/main.py --steps 20 --checkpoint_dir ckpt --resume
+    python pipelining_transformer/main.py --steps 20 --world_size 4 --resume ckpt/step_10
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import distkit
+from pipelining_transformer import checkpoint
 from pipelining_transformer.model import ModelArgs, Transformer
 from pipelining_transformer.parallel import (
     SCHEDULES,
@@ -70,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "of the gradient, for bit-for-bit comparisons")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
+    ckpt = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
+    ckpt.add_argument("--checkpoint_dir", default=None, metavar="DIR",
+                      help="save into DIR/step_<N>/ every --checkpoint_every steps and at the end")
+    ckpt.add_argument("--checkpoint_every", type=int, default=0, metavar="K",
+                      help="steps between checkpoints (0: only at the end)")
+    ckpt.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                      help="go on from checkpoint PATH, or (no PATH) from the newest complete "
+                           "one in --checkpoint_dir; a fresh start if there is none")
     model = parser.add_argument_group("model (defaults: the tutorial's ModelArgs)")
     defaults = ModelArgs()
     model.add_argument("--dim", type=int, default=defaults.dim)
@@ -104,6 +119,30 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if problem:
         parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
                      f"on {args.world_size} ranks: {problem}")
+    check_checkpoint_args(parser, args)
+
+
+def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve --resume to one complete, compatible checkpoint (args.resume_path) or None."""
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint_every must be at least 0, got {args.checkpoint_every}")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        parser.error("--checkpoint_every needs --checkpoint_dir")
+    args.resume_path = None
+    if args.resume == "latest":
+        if not args.checkpoint_dir:
+            parser.error("--resume without a PATH needs --checkpoint_dir")
+        args.resume_path = checkpoint.latest_complete(args.checkpoint_dir)
+    elif args.resume is not None:
+        why = checkpoint.problem(args.resume)
+        if why:
+            parser.error(f"cannot resume from {args.resume}: {why}")
+        args.resume_path = args.resume
+    if args.resume_path is not None:
+        why = checkpoint.incompatibility(args.resume_path, model_args_from(args), args.optimizer)
+        if why:
+            parser.error(f"cannot resume from {args.resume_path}: {why}")
+        args.resume_path = str(args.resume_path)
 
 
 def model_args_from(args: argparse.Namespace) -> ModelArgs:
@@ -125,9 +164,15 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     pp = build_rank(args, init_distributed(args.device))
     log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
              f"({args.schedule}, {args.split} split) on {pp.device}")
+    parts = [(s.submod, opt) for s, opt in zip(pp.stages, pp.optimizers)]
+    first = 0
+    if args.resume_path:
+        # the step saved is also the data position: batch ``step`` is the next one to read
+        first = checkpoint.load(args.resume_path, parts)
+        log.info(f"resumed from {args.resume_path} after step {first}")
     losses: list[float] = []
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
         mb_losses = pp.forward_backward(x, y)
         pp.optimizer_step()
@@ -135,11 +180,16 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
             # equal micro-batches: the mean of their mean losses is the batch's mean loss
             losses.append(torch.stack(mb_losses).mean().item())
             log.info(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}")
+        done = step + 1
+        if args.checkpoint_dir and (done == args.steps or
+                                    args.checkpoint_every and done % args.checkpoint_every == 0):
+            path = checkpoint.save(args.checkpoint_dir, done, parts)
+            log.info(f"checkpoint {path} complete")
     seconds = time.perf_counter() - start
     # peak resident memory of this process (Linux reports KiB)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dist.destroy_process_group()
-    summary = f"{args.steps} steps in {seconds:.1f} s, peak memory {peak_mb:.0f} MB"
+    summary = f"{args.steps - first} steps in {seconds:.1f} s, peak memory {peak_mb:.0f} MB"
     if losses:
         summary += f"; loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     log.info(summary)
@@ -152,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     check_args(parser, args)
     results = distkit.launch(run_worker, args)
     losses = [r["losses"] for r in results.values() if r and r["losses"]]
-    if losses and args.steps > 1 and not losses[0][-1] < losses[0][0]:
+    if losses and len(losses[0]) > 1 and not losses[0][-1] < losses[0][0]:
         print(f"The loss did not fall: {losses[0][0]:.4f} -> {losses[0][-1]:.4f}", file=sys.stderr)
         return 1
     return 0
