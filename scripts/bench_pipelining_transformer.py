@@ -1,0 +1,216 @@
+"""Benchmark pipelining_transformer: step time, tokens/s, memory and bubble per schedule and m.
+
+    python scripts/bench_pipelining_transformer.py --quick                 # about a minute on 2 cores
+    python scripts/bench_pipelining_transformer.py --plot results/pipelining_transformer.png
+
+For every schedule and micro-batch count m it runs the example's own training loop
+(``pipelining_transformer.main.run_worker``, unchanged) on --world_size ranks, and beside
+it one process training the whole model (the same seeded ``Transformer``, batches and
+optimizer, no micro-batches) with as many threads as all the ranks together. In the ranks
+three methods are wrapped with clocks, nothing else is touched:
+  - ``PipelineRank.optimizer_step``: a step runs from one optimizer step's end to the next's;
+    step time is the median over the steps after --warmup, tokens/s = batch tokens / that;
+  - ``PipelineRank.forward_backward``: the schedule's part of a step (its sends, receives,
+    forwards and backwards);
+  - ``PipelineStage.forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``:
+    a rank's compute. Measured bubble = 1 - compute / schedule time, the share of the
+    schedule a rank spends waiting (mean over ranks); ideal = (p - 1) / (v m + p - 1) for p
+    ranks with v stages each (v = 1: the tutorial's (p - 1) / (m + p - 1)).
+Peak memory is each process's peak resident set (``ru_maxrss``, ``import torch`` included).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import distkit  # noqa: E402
+import pipelining_transformer.main as example  # noqa: E402
+from benchlib import describe_machine, format_table, median, save_plot  # noqa: E402
+from pipelining_transformer.model import Transformer, tokenwise_loss_fn  # noqa: E402
+from pipelining_transformer.parallel import (  # noqa: E402
+    SCHEDULES, PipelineRank, STAGES_PER_RANK_MULTI, is_multi_stage, make_optimizer,
+    schedule_problem, synthetic_batch)
+
+HEADER = ["schedule", "m", "step ms", "tokens/s", "local step ms", "local tokens/s", "speed-up",
+          "1-thread step ms", "bubble", "ideal bubble", "peak MB/rank", "local peak MB"]
+QUICK_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B"]
+
+
+class Clocks:
+    """Per-step timings of one rank: step ends, schedule seconds, compute seconds."""
+
+    def __init__(self) -> None:
+        self.step_ends: list[float] = []
+        self.schedule: list[float] = []
+        self.compute: list[float] = []
+        self._busy = 0.0
+
+    def install(self) -> None:
+        def timed(fn, on_done):
+            @functools.wraps(fn)
+            def wrapper(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    on_done(start, time.perf_counter())
+            return wrapper
+
+        def add_busy(a: float, b: float) -> None:
+            self._busy += b - a
+
+        def end_schedule(a: float, b: float) -> None:
+            self.schedule.append(b - a)
+            self.compute.append(self._busy)
+            self._busy = 0.0
+
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(PipelineStage, name, timed(getattr(PipelineStage, name), add_busy))
+        PipelineRank.forward_backward = timed(PipelineRank.forward_backward, end_schedule)
+        PipelineRank.optimizer_step = timed(PipelineRank.optimizer_step,
+                                            lambda a, b: self.step_ends.append(b))
+
+
+def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """Every rank: the example's ``run_worker`` with its clocks on."""
+    clocks = Clocks()
+    clocks.install()
+    result = example.run_worker(worker, args)
+    return {**result, "step_ends": clocks.step_ends, "schedule": clocks.schedule,
+            "compute": clocks.compute}
+
+
+def local_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """One process, the whole model, the example's batches and optimizer: the reference."""
+    torch.manual_seed(args.seed)
+    model = Transformer(example.model_args_from(args))
+    opt = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    step_ends = []
+    for step in range(args.steps):
+        x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
+        opt.zero_grad(set_to_none=True)
+        tokenwise_loss_fn(model(x), y).backward()
+        opt.step()
+        step_ends.append(time.perf_counter())
+    return {"step_ends": step_ends, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def step_seconds(step_ends: list[float], warmup: int) -> list[float]:
+    return [b - a for a, b in zip(step_ends[warmup - 1:], step_ends[warmup:])]
+
+
+def summarize(schedule: str, m: int, world_size: int, tokens: int, warmup: int,
+              ranks: dict[int, dict], local: dict, local1: dict) -> dict:
+    step = median([t for r in ranks.values() for t in step_seconds(r["step_ends"], warmup)])
+    local_step = median(step_seconds(local["step_ends"], warmup))
+    bubbles = [1 - median([c / s for c, s in zip(r["compute"][warmup:], r["schedule"][warmup:])])
+               for r in ranks.values()]
+    v = STAGES_PER_RANK_MULTI if is_multi_stage(schedule) else 1
+    peaks = [ranks[k]["peak_mb"] for k in sorted(ranks)]
+    return {"schedule": schedule, "m": m, "step ms": 1e3 * step, "tokens/s": tokens / step,
+            "local step ms": 1e3 * local_step, "local tokens/s": tokens / local_step,
+            "speed-up": local_step / step,
+            "1-thread step ms": 1e3 * median(step_seconds(local1["step_ends"], warmup)),
+            "bubble": sum(bubbles) / len(bubbles),
+            "ideal bubble": (world_size - 1) / (v * m + world_size - 1),
+            "peak MB/rank": " / ".join(f"{p:.0f}" for p in peaks), "peak MB": max(peaks),
+            "local peak MB": local["peak_mb"]}
+
+
+def plot(path: str | None, rows: list[dict]) -> None:
+    def draw(ax):
+        for schedule in dict.fromkeys(r["schedule"] for r in rows):
+            rs = [r for r in rows if r["schedule"] == schedule]
+            line, = ax.plot([r["m"] for r in rs], [r["bubble"] for r in rs], "o-", label=f"{schedule}")
+            ax.plot([r["m"] for r in rs], [r["ideal bubble"] for r in rs], ":", color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batches m")
+        ax.set_ylabel("bubble (share of the schedule spent waiting)")
+        ax.set_ylim(bottom=0)
+        ax.set_title("pipelining_transformer: measured bubble (solid) vs ideal (dotted)")
+        ax.legend(fontsize=8)
+
+    save_plot(path, draw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
+    p.add_argument("--schedules", nargs="+", type=example.schedule_name, default=None, metavar="NAME",
+                   help=f"default: all ({', '.join(SCHEDULES)}); quick: {' '.join(QUICK_SCHEDULES)}")
+    p.add_argument("--microbatches", type=int, nargs="+", default=None, metavar="M",
+                   help="micro-batch counts (default 2 4 8; quick 2 4)")
+    p.add_argument("--world_size", type=int, default=2, help="ranks (pipeline width p)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 8; quick 4)")
+    p.add_argument("--warmup", type=int, default=1, help="steps dropped before timing")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=16)
+    p.add_argument("--model", nargs=4, type=int, default=None, metavar=("DIM", "LAYERS", "HEADS", "VOCAB"),
+                   help="model sizes (default: the tutorial's 512 8 8 10000; quick 256 8 8 10000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="write measured vs ideal bubble here (PNG)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    schedules = args.schedules or (QUICK_SCHEDULES if args.quick else list(SCHEDULES))
+    microbatches = args.microbatches or ([2, 4] if args.quick else [2, 4, 8])
+    steps = args.steps or (4 if args.quick else 8)
+    if args.warmup < 1 or steps < args.warmup + 2:
+        parser.error("--warmup must be at least 1 and --steps at least --warmup + 2")
+    dim, layers, heads, vocab = args.model or ((256, 8, 8, 10000) if args.quick else (512, 8, 8, 10000))
+    common = ["--steps", str(steps), "--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len),
+              "--dim", str(dim), "--n_layers", str(layers), "--n_heads", str(heads),
+              "--vocab_size", str(vocab), "--seed", str(args.seed), "--device", "cpu"]
+    jobs, skipped = [], []
+    for schedule in schedules:
+        for m in microbatches:
+            problem = schedule_problem(schedule, args.world_size, m)
+            if problem and len(schedules) * len(microbatches) > 1:
+                skipped.append(f"# skipped {schedule} m={m}: {problem}")
+                continue  # e.g. DualPipeV with fewer micro-batches than stages
+            ex = example.build_parser().parse_args(
+                [*common, "--world_size", str(args.world_size), "--schedule", schedule,
+                 "--n_microbatches", str(m)])
+            example.check_args(parser, ex)  # its one-line errors, before anything runs
+            jobs.append((schedule, m, ex))
+    threads = distkit.threads_per_process(args.world_size)
+    local_args = example.build_parser().parse_args(
+        [*common, "--world_size", "1", "--threads", str(threads * args.world_size)])
+
+    print(describe_machine(args.world_size, threads))
+    print(f"# local: one process, the whole model, {threads * args.world_size} thread(s) "
+          f"(1-thread: the same with one)")
+    print(f"# model dim {dim}, {layers} layers, {heads} heads, vocabulary {vocab}; batches of "
+          f"{args.batch_size} x {args.seq_len} tokens; {steps} AdamW steps, {args.warmup} untimed")
+    for line in skipped:
+        print(line)
+    local = distkit.launch(local_worker, local_args)[0]
+    # the same with one thread: on a busy machine a process's second thread waits for a core
+    # at every parallel region, and "the same total threads" says more about the load
+    local1 = distkit.launch(local_worker, argparse.Namespace(**{**vars(local_args), "threads": 1}))[0]
+    rows = []
+    for schedule, m, ex in jobs:
+        ranks = distkit.launch(pipeline_worker, ex)
+        rows.append(summarize(schedule, m, args.world_size, args.batch_size * args.seq_len,
+                              args.warmup, ranks, local, local1))
+    print(format_table(HEADER, rows))
+    plot(args.plot, rows)
+    assert all(math.isfinite(r[k]) for r in rows for k in HEADER
+               if k not in ("schedule", "peak MB/rank"))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The rpc_pipeline_resnet and pipelining_transformer benchmarks run once on a tiny configuration.
+
+Complete, finite tables; nothing is timed against a threshold.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+
+import pytest
+
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def run_bench(name: str, argv: list[str], capsys) -> tuple[list[dict], str]:
+    rows = importlib.import_module(name).main(argv)
+    return rows, capsys.readouterr().out
+
+
+def assert_finite(rows: list[dict], keys: list[str]) -> None:
+    for row in rows:
+        for key in keys:
+            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (key, row)
+
+
+def test_bench_rpc_pipeline_resnet(capsys, tmp_path):
+    from bench_rpc_pipeline_resnet import HEADER
+
+    plot = tmp_path / "resnet.png"
+    rows, out = run_bench("bench_rpc_pipeline_resnet",
+                          ["--splits", "2", "--batch_size", "4", "--image_size", "33",
+                           "--num_batches", "1", "--num_classes", "10", "--shard_reps", "1",
+                           "--plot", str(plot)], capsys)
+    assert out.startswith("# machine:")
+    assert [(r["splits"], r["micro-batch"]) for r in rows] == [(1, 4), (2, 2)]  # 1 split added
+    assert_finite(rows, HEADER)
+    for r in rows:
+        assert r["s/batch"] > 0 and r["a (s)"] > 0 and r["b (s)"] > 0
+        assert r["bound (s)"] == pytest.approx(r["a (s)"] + r["b (s)"] + (r["splits"] - 1)
+                                               * max(r["a (s)"], r["b (s)"]))
+        assert r["eff."] == pytest.approx(r["bound (s)"] / r["s/batch"])
+        assert len(r["losses"]) == 2  # warm-up + timed batch: the example really trained
+    assert rows[0]["speed-up"] == 1
+    assert plot.stat().st_size > 0
+
+
+def test_bench_pipelining_transformer(capsys, tmp_path):
+    from bench_pipelining_transformer import HEADER
+
+    plot = tmp_path / "pp.png"
+    rows, out = run_bench("bench_pipelining_transformer",
+                          ["--schedules", "GPipe", "Interleaved1F1B", "--microbatches", "2",
+                           "--steps", "3", "--model", "16", "4", "2", "50", "--batch_size", "4",
+                           "--seq_len", "4", "--plot", str(plot)], capsys)
+    assert out.startswith("# machine:")
+    assert [(r["schedule"], r["m"]) for r in rows] == [("GPipe", 2), ("Interleaved1F1B", 2)]
+    assert_finite(rows, [k for k in HEADER if k not in ("schedule", "peak MB/rank")])
+    for r in rows:
+        assert min(r["step ms"], r["local step ms"], r["1-thread step ms"], r["peak MB"]) > 0
+        assert 0 <= r["bubble"] < 1
+        assert r["tokens/s"] == pytest.approx(4 * 4 * 1e3 / r["step ms"])
+        assert len(r["peak MB/rank"].split(" / ")) == 2
+    # (p - 1) / (v m + p - 1): one stage per rank for GPipe, two for Interleaved1F1B
+    assert [r["ideal bubble"] for r in rows] == pytest.approx([1 / 3, 1 / 5])
+    assert plot.stat().st_size > 0
+
+
+def test_step_seconds_drops_warmup():
+    from bench_pipelining_transformer import step_seconds
+
+    assert step_seconds([1.0, 3.0, 6.0, 10.0], warmup=1) == [2.0, 3.0, 4.0]
+    assert step_seconds([1.0, 3.0, 6.0, 10.0], warmup=2) == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("scripts/bench_rpc_pipeline_resnet.py", ["--splits", "32"], "--splits values must be in 1..16"),
+    ("scripts/bench_rpc_pipeline_resnet.py", ["--shard_reps", "0"], "--shard_reps and --warmup must be at least 1"),
+    ("scripts/bench_pipelining_transformer.py", ["--schedules", "nope"], "unknown schedule 'nope'"),
+    ("scripts/bench_pipelining_transformer.py", ["--microbatches", "3"], "is not divisible by --n_microbatches 3"),
+])
+def test_bad_input_is_one_line_exit_2(script, argv, message):
+    proc = run_cli(script, *argv, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert "# machine" not in proc.stdout  # nothing was measured
