@@ -16,6 +16,7 @@ import argparse
 import ctypes
 import ipaddress
 import logging
+import math
 import os
 import shutil
 import signal
@@ -95,8 +96,12 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None,
     if rpc_timeout is not None:
         g.add_argument("--rpc_timeout", type=float, default=rpc_timeout,
                        help="seconds an RPC may take before it fails")
-    g.add_argument("--world_size", type=int, default=world_size,
-                   help="number of processes in the job (under torchrun: torchrun's)")
+    g.add_argument("--world_size", type=int, default=None,
+                   help=f"number of processes in the job (default: {world_size or 'required'}; "
+                        "under torchrun: torchrun's)")
+    # kept apart from --world_size's own default, so that torchrun's WORLD_SIZE can win
+    # over the example's default but not over a --world_size the user typed
+    parser.set_defaults(default_world_size=world_size)
     g.add_argument("--master_addr", default=None,
                    help="address of the machine running rank 0 (default: 127.0.0.1, this machine)")
     g.add_argument("--master_port", type=int, default=None,
@@ -118,6 +123,8 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
             parser.error(f"--world_size {args.world_size} disagrees with torchrun's WORLD_SIZE={env_size}")
         args.world_size = env_size
     if args.world_size is None:
+        args.world_size = getattr(args, "default_world_size", None)
+    if args.world_size is None:
         parser.error("--world_size is required")
     if args.world_size < min_world_size:
         parser.error(f"--world_size must be at least {min_world_size}, got {args.world_size}")
@@ -125,8 +132,9 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--world_size must be at most {max_world_size}, got {args.world_size}")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         parser.error(f"--master_port must be in 1..65535, got {args.master_port}")
-    if getattr(args, "rpc_timeout", 1) <= 0:
-        parser.error(f"--rpc_timeout must be positive, got {args.rpc_timeout}")
+    timeout = getattr(args, "rpc_timeout", 1.0)
+    if not (math.isfinite(timeout) and timeout > 0):  # nan or inf would unbound every RPC
+        parser.error(f"--rpc_timeout must be a positive number of seconds, got {timeout}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
     try:
@@ -175,7 +183,11 @@ def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
     if 0 in ranks:
         # This process hosts the store, bound to ``addr`` only: a single-machine run is
         # reachable from loopback alone (c10d's own TCPStore server listens on every interface).
-        listener = socket.create_server((addr, args.master_port or 0))
+        try:
+            listener = socket.create_server((addr, args.master_port or 0))
+        except OSError as e:  # an address not on this machine, a port in use: bad input
+            _die(f"cannot listen on {addr}:{args.master_port or 0} for the rendezvous: "
+                 f"{e.strerror or e}", status=2)
         port = listener.getsockname()[1]
         # the store takes ownership of the socket and closes it when it goes
         store = dist.TCPStore(addr, port, is_master=True, master_listen_fd=listener.detach(),
@@ -265,10 +277,6 @@ def _spawned(index: int, fn: Callable, args: argparse.Namespace, ranks: list[int
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(index),
                       LOCAL_WORLD_SIZE=str(len(ranks)), TORCHELASTIC_USE_AGENT_STORE="True")
-    if _is_loopback(addr) and "lo" in {name for _, name in socket.if_nameindex()}:
-        # gloo and TensorPipe otherwise pick the interface the hostname resolves to.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     worker = Worker(rank, args.world_size, index, len(ranks), addr, port, args.device)
     try:
         result = _run(fn, worker, args, failure_file=os.path.join(result_dir, f"{rank}.failed"))
@@ -280,6 +288,12 @@ def _spawned(index: int, fn: Callable, args: argparse.Namespace, ranks: list[int
 
 def _run(fn: Callable, worker: Worker, args: argparse.Namespace, failure_file: str | None = None) -> Any:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    if _is_loopback(worker.master_addr) and "lo" in {name for _, name in socket.if_nameindex()}:
+        # A job whose rendezvous is on loopback (spawned here, or torchrun --standalone)
+        # runs on this machine alone; gloo and TensorPipe would otherwise listen on the
+        # interface the hostname resolves to, reachable from the network.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     # torch.distributed.rpc's own shutdown trips this deprecation; nothing a user can act on
     warnings.filterwarnings("ignore", message="You are using a Backend")
     logging.basicConfig(level=logging.INFO, format=f"[rank {worker.rank}] %(message)s",

@@ -15,7 +15,7 @@ import distkit
 
 def launch_args(*argv: str, world_size: int = 2) -> argparse.Namespace:
     parser = distkit.ArgumentParser()
-    distkit.add_launch_args(parser, world_size=world_size)
+    distkit.add_launch_args(parser, world_size=world_size, rpc_timeout=60)
     parser.add_argument("--pid_dir", default=None)
     args = parser.parse_args(list(argv))
     distkit.check_launch_args(parser, args, min_world_size=1)
@@ -39,7 +39,6 @@ def test_cpu_is_chosen_without_gpus():
 
 
 def _collective_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    # a process group and a second, prefixed group on the same store: both must rendezvous
     dist.init_process_group("gloo")
     t = torch.tensor([float(worker.rank + 1)])
     dist.all_reduce(t)
@@ -99,6 +98,8 @@ def _alive(pid: int) -> bool:
     (["--master_port", "70000"], "--master_port must be in 1..65535"),
     (["--ranks", "1-2"], "--ranks 1-2 is not within 0..1"),
     (["--ranks", "1"], "needs --master_addr and --master_port"),
+    (["--rpc_timeout", "nan"], "--rpc_timeout must be a positive number"),
+    (["--rpc_timeout", "inf"], "--rpc_timeout must be a positive number"),
 ])
 def test_bad_launch_flags_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -106,3 +107,25 @@ def test_bad_launch_flags_exit_2(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_torchrun_world_size_wins_over_the_default_not_over_the_flag(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert launch_args(world_size=2).world_size == 3  # torchrun --nproc_per_node 3
+    assert launch_args("--world_size", "3").world_size == 3
+    with pytest.raises(SystemExit) as exc:
+        launch_args("--world_size", "2")  # typed by the user, and wrong
+    assert exc.value.code == 2
+    assert "disagrees with torchrun's WORLD_SIZE=3" in capsys.readouterr().err
+
+
+def test_master_addr_not_on_this_machine_is_one_line_exit_2(capsys):
+    # 192.0.2.0/24 is reserved for documentation: never an address of this machine
+    args = launch_args("--master_addr", "192.0.2.1", "--master_port", "29999", "--ranks", "0-1")
+    with pytest.raises(SystemExit) as exc:
+        distkit.launch(_collective_worker, args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot listen on 192.0.2.1:29999" in err, err
