@@ -70,7 +70,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if not (math.isfinite(args.lr) and args.lr > 0):
-        parser.error(f"--lr must be positive, got {args.lr}")
+        parser.error(f"--lr must be a positive number, got {args.lr}")
     ps_here = 0 in distkit.parse_ranks(args.ranks, args.world_size)
     if args.device == "cuda" and ps_here and distkit.gpu_count() == 0:
         parser.error("--device cuda needs a GPU on the parameter server (rank 0); none is visible")

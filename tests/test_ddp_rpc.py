@@ -130,7 +130,8 @@ def test_bad_input_is_one_line_exit_2(argv, message):
     (["--epochs", "0"], "--epochs must be at least 1"),
     (["--batches_per_epoch", "0"], "--batches_per_epoch must be at least 1"),
     (["--batch_size", "-4"], "--batch_size must be at least 1"),
-    (["--lr", "0"], "--lr must be positive"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--lr", "nan"], "--lr must be a positive number"),
     (["--seed", "-1"], "--seed must be non-negative"),
     (["--device", "cuda"], "--device cuda needs a GPU per trainer"),  # tests hide the GPUs
 ])
