@@ -72,7 +72,7 @@ class Observer:
 
 
 def discounted_returns(rewards: list[float], gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1}, computed backwards over the concatenated rewards."""
+    """G_t = r_t + gamma * G_{t+1}, computed backwards over one observer's rewards."""
     R, returns = 0.0, []
     for r in rewards[::-1]:
         R = r + gamma * R

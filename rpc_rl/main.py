@@ -1,8 +1,9 @@
 """Distributed reinforcement learning with RPC and RRef (REINFORCE on CartPole-v1).
 
 Mirrors "Getting Started with Distributed RPC Framework", first half. Roles:
-  rank 0      the agent: owns the policy, drives the episodes, learns (rpc_rl/agent.py)
-  ranks 1..N  observers: each runs its own CartPole-v1 and asks the agent for every action
+  rank 0         the agent: owns the policy, drives the episodes, learns (rpc_rl/agent.py)
+  ranks 1..N-1   observers (N = --world_size): each runs its own CartPole-v1 and asks
+                 the agent for every action
 
 Run on one machine (spawns the processes, CPU + gloo unless GPUs are visible):
     python rpc_rl/main.py --world_size 3
