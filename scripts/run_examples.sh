@@ -12,5 +12,7 @@ run "$PY" rpc_rl/main.py --world_size 3 --reward_threshold 100
 run "$PY" ddp_rpc/main.py
 run "$PY" rpc_rnn/main.py
 run "$PY" rpc_pipeline_resnet/main.py
-# the pipelining tutorial's launcher: torchrun, one stage per process
-run "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 pipelining_transformer/main.py
+# The tutorial launches this one with `torchrun --nproc_per_node 2`, which works the same,
+# but torchrun's store listens on every network interface; distkit's launcher listens on
+# loopback only, so a laptop running the quick start opens nothing to the network.
+run "$PY" pipelining_transformer/main.py --world_size 2
