@@ -7,13 +7,16 @@ step (``step_<N>/``)::
     optim.<param name>.<key>      that parameter's optimizer state (AdamW: step, exp_avg,
                                   exp_avg_sq; SGD: momentum_buffer)
     progress.step                 optimizer steps taken = index of the next batch to read
+    progress.<flag>               the flags that fix the data stream (--seed, --batch_size,
+                                  --seq_len, --vocab_size): with the step, the data position
 
 Because nothing in the keys says which stage or rank wrote them, any split (2 stages, 4
 stages, one process with the whole ``Transformer``) loads any checkpoint: each process asks
 for the keys of the parameters it holds. A checkpoint counts only once rank 0 has written
 ``COMPLETE`` (after a barrier, so after every rank's files are on disk); the marker lists
 every file and its size, so a directory cut short by a crash, or a file truncated since,
-is refused instead of loaded.
+is refused instead of loaded; so is one whose marker or ``.metadata`` cannot be read, and
+a resume whose data settings differ from the saved ones (it would read another stream).
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -39,6 +43,8 @@ COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"step_(\d+)")
 # what each --optimizer keeps per parameter (AdamW without amsgrad)
 OPTIMIZER_KEYS = {"adamw": {"step", "exp_avg", "exp_avg_sq"}, "sgd": {"momentum_buffer"}}
+# the flags whose values, with the step, say which batch comes next (see synthetic_batch)
+DATA_FLAGS = ("seed", "batch_size", "seq_len", "vocab_size")
 
 # one part = a module whose parameter names are the full model's, and its optimizer
 Parts = Iterable[tuple[nn.Module, torch.optim.Optimizer]]
@@ -52,7 +58,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _state(parts: Parts, step: int) -> dict:
+def _state(parts: Parts, step: int, data: Mapping[str, int]) -> dict:
     model, optim = {}, {}
     for module, opt in parts:
         for name, p in module.named_parameters():
@@ -60,11 +66,15 @@ def _state(parts: Parts, step: int) -> dict:
             # optimizer state on the CPU: a checkpoint does not depend on the device either
             optim[name] = {k: v.detach().cpu() for k, v in opt.state.get(p, {}).items()
                            if isinstance(v, torch.Tensor)}
-    return {"model": model, "optim": optim, "progress": {"step": torch.tensor(step)}}
+    progress = {"step": torch.tensor(step), **{k: torch.tensor(v) for k, v in data.items()}}
+    return {"model": model, "optim": optim, "progress": progress}
 
 
-def save(root: str | os.PathLike, step: int, parts: Parts) -> Path:
-    """Every rank calls this after optimizer step ``step``; returns the checkpoint's directory."""
+def save(root: str | os.PathLike, step: int, parts: Parts, data: Mapping[str, int]) -> Path:
+    """Every rank calls this after optimizer step ``step``; returns the checkpoint's directory.
+
+    ``data``: the value of each of DATA_FLAGS, so that a resume can tell it reads the same stream.
+    """
     path = step_dir(root, step)
     rank0 = not _distributed() or dist.get_rank() == 0
     if rank0:
@@ -73,7 +83,7 @@ def save(root: str | os.PathLike, step: int, parts: Parts) -> Path:
         path.mkdir(parents=True)
     if _distributed():
         dist.barrier()
-    dcp.save(_state(parts, step), checkpoint_id=path)
+    dcp.save(_state(parts, step, data), checkpoint_id=path)
     if _distributed():
         dist.barrier()  # every rank's files are written before the checkpoint is called complete
     if rank0:
@@ -82,6 +92,12 @@ def save(root: str | os.PathLike, step: int, parts: Parts) -> Path:
         tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
         os.replace(tmp, path / COMPLETE)  # atomic: the marker is there whole or not at all
     return path
+
+
+def _why(error: Exception) -> str:
+    """An exception as a few words on one line: error messages here stay one line."""
+    first = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def problem(path: str | os.PathLike) -> str | None:
@@ -93,14 +109,25 @@ def problem(path: str | os.PathLike) -> str | None:
         manifest = json.loads((path / COMPLETE).read_text())
     except FileNotFoundError:
         return f"no {COMPLETE} marker: its save never finished"
-    except ValueError:
+    except ValueError:  # not JSON, or not UTF-8
         return f"its {COMPLETE} marker is damaged"
-    for name, size in manifest["files"].items():
+    # valid JSON is not yet a marker that save() wrote: check its shape before trusting it
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not (isinstance(files, dict) and isinstance(manifest.get("step"), int)
+            and all(isinstance(size, int) for size in files.values())):
+        return f"its {COMPLETE} marker is damaged (no step or no file sizes)"
+    if ".metadata" not in files:
+        return f"its {COMPLETE} marker does not list .metadata"
+    for name, size in files.items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} is truncated ({f.stat().st_size} of {size} bytes)"
+    try:  # the right size does not make it readable, and a damaged .metadata fails every load
+        _metadata(path)
+    except Exception as e:  # unpickling a damaged file can raise almost anything
+        return f"its .metadata cannot be read ({_why(e)})"
     return None
 
 
@@ -121,9 +148,38 @@ def _metadata(path: Path) -> dict:
     return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
 
-def incompatibility(path: str | os.PathLike, model_args: ModelArgs, optimizer: str) -> str | None:
-    """Why the checkpoint at ``path`` cannot load into this model and optimizer, or None."""
-    saved = _metadata(Path(path))
+def _saved_data(path: Path) -> dict[str, int]:
+    """The DATA_FLAGS values the checkpoint at ``path`` was saved with (only those tensors load)."""
+    state = {"progress": {flag: torch.tensor(0) for flag in DATA_FLAGS}}
+    with warnings.catch_warnings():
+        # a local read of four numbers, before any process group exists: not worth a warning
+        # on stderr, where a refusal must be one line
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return {flag: int(v) for flag, v in state["progress"].items()}
+
+
+def incompatibility(path: str | os.PathLike, model_args: ModelArgs, optimizer: str,
+                    data: Mapping[str, int]) -> str | None:
+    """Why the checkpoint at ``path`` cannot load into this model and optimizer, or cannot go
+    on with this data stream (``data``: the value of each of DATA_FLAGS), or None."""
+    path = Path(path)
+    try:
+        saved = _metadata(path)
+    except Exception as e:  # unpickling a damaged file can raise almost anything
+        return f"its .metadata cannot be read ({_why(e)})"
+    missing = [f"--{flag}" for flag in DATA_FLAGS if f"progress.{flag}" not in saved]
+    if missing:
+        return f"it does not record its data settings ({', '.join(missing)})"
+    try:
+        was = _saved_data(path)
+    except Exception as e:
+        return f"its data settings cannot be read ({_why(e)})"
+    # checked before the shapes, so that another --vocab_size is named as such
+    differ = [flag for flag in DATA_FLAGS if was[flag] != data[flag]]
+    if differ:
+        return (f"it was saved with {' '.join(f'--{f} {was[f]}' for f in differ)}, not "
+                f"{' '.join(f'--{f} {data[f]}' for f in differ)} (another data stream)")
     with torch.device("meta"):
         model = Transformer(model_args)
     for name, p in model.named_parameters():
@@ -146,7 +202,7 @@ def load(path: str | os.PathLike, parts: Parts) -> int:
     path = Path(path)
     parts = list(parts)
     saved = _metadata(path)
-    state = _state(parts, 0)  # the weights load in place, into the parameters themselves
+    state = _state(parts, 0, {})  # the weights load in place, into the parameters themselves
     for module, _ in parts:
         for name, _ in module.named_parameters():
             # optimizers create their state lazily: make room for what the checkpoint has

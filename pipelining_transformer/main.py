@@ -5,6 +5,7 @@ among pipeline stages, one stage per rank (GPipe, 1F1B) or two (Interleaved1F1B,
 InterleavedZeroBubble, ZBVZeroBubble, DualPipeV: whatever this PyTorch offers). Roles:
   the rank holding stage 0      reads the tokens of each batch and embeds them
   the rank holding the last     reads the targets, computes the loss, prints it each step
+                                (and appends it, full precision, to --loss_log as JSON lines)
   every rank                    runs its stages' forwards/backwards in the schedule's order
                                 and steps one optimizer per stage
 
@@ -18,7 +19,8 @@ The model is the tutorial's (dim 512, 8 layers, 8 heads, vocabulary 10000); the 
 CPU-sized (8 x 16 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell.
 
 Checkpoint every 5 steps; after a crash, go on from the newest complete checkpoint (with
-any number of stages: checkpoints hold the full model's names, not the split):
+any number of stages: checkpoints hold the full model's names, not the split; but the same
+data flags, --seed --batch_size --seq_len --vocab_size, or the resume is refused):
     python pipelining_transformer/main.py --steps 20 --checkpoint_dir ckpt --checkpoint_every 5
     python pipelining_transformer/main.py --steps 20 --checkpoint_dir ckpt --resume
     python pipelining_transformer/main.py --steps 20 --world_size 4 --resume ckpt/step_10
@@ -26,7 +28,10 @@ any number of stages: checkpoints hold the full model's names, not the split):
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
+import os
 import resource
 import sys
 import time
@@ -77,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "of the gradient, for bit-for-bit comparisons")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
+    parser.add_argument("--loss_log", default=None, metavar="PATH",
+                        help='append {"step": N, "loss": L} per step to PATH, one JSON line each, '
+                             "the loss at full precision (a resumed run continues the file)")
     ckpt = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
     ckpt.add_argument("--checkpoint_dir", default=None, metavar="DIR",
                       help="save into DIR/step_<N>/ every --checkpoint_every steps and at the end")
@@ -107,10 +115,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"--n_microbatches {args.n_microbatches}")
     if args.dim % args.n_heads:
         parser.error(f"--dim {args.dim} is not divisible by --n_heads {args.n_heads}")
-    if not 0 <= args.dropout < 1:
+    if not 0 <= args.dropout < 1:  # also false for nan
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.lr <= 0:
-        parser.error(f"--lr must be positive, got {args.lr}")
+    if not (math.isfinite(args.lr) and args.lr > 0):  # argparse's float() takes "nan" and "inf"
+        parser.error(f"--lr must be positive and finite, got {args.lr}")
+    if args.loss_log is not None:
+        folder = os.path.dirname(args.loss_log) or "."
+        if not os.path.isdir(folder):
+            parser.error(f"--loss_log {args.loss_log}: no such directory {folder}")
+        if os.path.isdir(args.loss_log):
+            parser.error(f"--loss_log {args.loss_log} is a directory")
     n_stages = num_stages_for(args.schedule, args.world_size)
     if n_stages > args.n_layers:
         parser.error(f"{args.schedule} on {args.world_size} ranks makes {n_stages} stages, "
@@ -139,7 +153,8 @@ def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
             parser.error(f"cannot resume from {args.resume}: {why}")
         args.resume_path = args.resume
     if args.resume_path is not None:
-        why = checkpoint.incompatibility(args.resume_path, model_args_from(args), args.optimizer)
+        why = checkpoint.incompatibility(args.resume_path, model_args_from(args), args.optimizer,
+                                         data_settings_from(args))
         if why:
             parser.error(f"cannot resume from {args.resume_path}: {why}")
         args.resume_path = str(args.resume_path)
@@ -147,6 +162,11 @@ def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 def model_args_from(args: argparse.Namespace) -> ModelArgs:
     return ModelArgs(args.dim, args.n_layers, args.n_heads, args.vocab_size, args.dropout)
+
+
+def data_settings_from(args: argparse.Namespace) -> dict[str, int]:
+    """The flags that, with the step, fix which batch comes next: saved in every checkpoint."""
+    return {flag: getattr(args, flag) for flag in checkpoint.DATA_FLAGS}
 
 
 def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
@@ -171,6 +191,8 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
         first = checkpoint.load(args.resume_path, parts)
         log.info(f"resumed from {args.resume_path} after step {first}")
     losses: list[float] = []
+    # appended to, so that a resumed run goes on with the file of the run it resumes
+    loss_log = open(args.loss_log, "a") if args.loss_log and pp.has_last else None
     start = time.perf_counter()
     for step in range(first, args.steps):
         x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
@@ -180,12 +202,18 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
             # equal micro-batches: the mean of their mean losses is the batch's mean loss
             losses.append(torch.stack(mb_losses).mean().item())
             log.info(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}")
+            if loss_log is not None:
+                # one write of a whole line, flushed: a killed run leaves only whole lines
+                loss_log.write(json.dumps({"step": step + 1, "loss": losses[-1]}) + "\n")
+                loss_log.flush()
         done = step + 1
         if args.checkpoint_dir and (done == args.steps or
                                     args.checkpoint_every and done % args.checkpoint_every == 0):
-            path = checkpoint.save(args.checkpoint_dir, done, parts)
+            path = checkpoint.save(args.checkpoint_dir, done, parts, data_settings_from(args))
             log.info(f"checkpoint {path} complete")
     seconds = time.perf_counter() - start
+    if loss_log is not None:
+        loss_log.close()
     # peak resident memory of this process (Linux reports KiB)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dist.destroy_process_group()

@@ -1,10 +1,12 @@
 """pipelining_transformer checkpoints: a SIGKILLed run resumes exactly; checkpoints load into
-any split and into one process; incomplete or truncated checkpoints are refused."""
+any split and into one process; incomplete, truncated or damaged checkpoints, and resumes
+with other data settings, are refused."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +19,8 @@ import torch.distributed as dist
 import distkit
 from conftest import REPO, run_cli
 from pipelining_transformer import checkpoint
-from pipelining_transformer.main import build_parser, build_rank, check_args, main, model_args_from
+from pipelining_transformer.main import (build_parser, build_rank, check_args, data_settings_from,
+                                         main, model_args_from)
 from pipelining_transformer.model import Transformer, tokenwise_loss_fn
 from pipelining_transformer.parallel import init_distributed, make_optimizer, synthetic_batch
 
@@ -34,40 +37,53 @@ def make_args(*argv: str) -> argparse.Namespace:
     return args
 
 
-def cli_losses(stdout: str) -> dict[int, float]:
-    return {int(s): float(x) for s, x in re.findall(r"step (\d+)/\d+  loss (\S+)", stdout)}
+def logged_losses(path) -> list[tuple[int, float]]:
+    """The (step, loss) lines that --loss_log wrote to ``path``, in order."""
+    return [(e["step"], e["loss"]) for e in map(json.loads, path.read_text().splitlines())]
 
 
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     steps, kill_after = 12, 3
+    root, resumed_log, whole_log = tmp_path / "ckpt", tmp_path / "resumed.jsonl", tmp_path / "whole.jsonl"
     argv = ["pipelining_transformer/main.py", *TINY, "--steps", str(steps)]
-    ckpt = ["--checkpoint_dir", str(tmp_path), "--checkpoint_every", "1"]
+    ckpt = ["--checkpoint_dir", str(root), "--checkpoint_every", "1", "--loss_log", str(resumed_log)]
     # its own session, so that one killpg takes the launcher and every worker at once
     proc = subprocess.Popen([sys.executable, *argv, *ckpt], cwd=REPO, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    marker = checkpoint.step_dir(tmp_path, kill_after) / checkpoint.COMPLETE
+    marker = checkpoint.step_dir(root, kill_after) / checkpoint.COMPLETE
     deadline = time.monotonic() + 120
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGKILL)
     killed_output = proc.communicate()[0]
     assert marker.exists(), killed_output
-    saved = checkpoint.latest_complete(tmp_path)
+    saved = checkpoint.latest_complete(root)
     resumed_at = int(saved.name.removeprefix("step_"))
     assert kill_after <= resumed_at < steps, f"the run was not killed mid-way: {killed_output}"
+    # a step is logged before it is saved: the killed run may have logged steps after resumed_at
+    killed = logged_losses(resumed_log)
 
-    resumed = run_cli(*argv, *ckpt, "--resume", timeout=180)
+    resumed = run_cli(*argv, *ckpt, "--resume", timeout=180)  # appends to the same log
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed from {saved} after step {resumed_at}" in resumed.stdout, resumed.stdout
-    whole = run_cli(*argv, timeout=180)
+    whole = run_cli(*argv, "--loss_log", str(whole_log), timeout=180)
     assert whole.returncode == 0, whole.stdout + whole.stderr
 
-    expected, got = cli_losses(whole.stdout), cli_losses(resumed.stdout)
-    assert sorted(expected) == list(range(1, steps + 1)), whole.stdout
-    assert sorted(got) == list(range(resumed_at + 1, steps + 1)), resumed.stdout
-    torch.testing.assert_close([got[s] for s in sorted(got)],
-                               [expected[s] for s in sorted(got)], rtol=0, atol=1e-4)
+    expected = logged_losses(whole_log)
+    assert [s for s, _ in expected] == list(range(1, steps + 1)), whole.stdout
+    logged = logged_losses(resumed_log)
+    assert logged[:len(killed)] == killed  # appended, not overwritten
+    got = logged[len(killed):]
+    assert [s for s, _ in got] == list(range(resumed_at + 1, steps + 1)), resumed.stdout
+    for s, loss in got:  # the log is what the run printed, at full precision
+        assert f"step {s}/{steps}  loss {loss:.4f}" in resumed.stdout, resumed.stdout
+    # float32 losses, compared as such: the resumed steps, and the killed run's before them
+    torch.testing.assert_close(torch.tensor([loss for _, loss in got]),
+                               torch.tensor([loss for _, loss in expected[resumed_at:]]))
+    assert [s for s, _ in killed] == list(range(1, len(killed) + 1)), killed
+    torch.testing.assert_close(torch.tensor([loss for _, loss in killed]),
+                               torch.tensor([loss for _, loss in expected[:len(killed)]]))
 
 
 def _train_save_continue(worker: distkit.Worker, args: argparse.Namespace) -> list[float] | None:
@@ -87,7 +103,7 @@ def _train_save_continue(worker: distkit.Worker, args: argparse.Namespace) -> li
         for step in range(SAVED_AT):
             pp.forward_backward(*batch(step))
             pp.optimizer_step()
-        checkpoint.save(args.ckpt_root, SAVED_AT, parts)
+        checkpoint.save(args.ckpt_root, SAVED_AT, parts, data_settings_from(args))
     losses = pp.forward_backward(*batch(SAVED_AT))
     pp.optimizer_step()  # uses the optimizer state the checkpoint carried
     after = pp.forward_backward(*batch(SAVED_AT + 1))
@@ -113,7 +129,8 @@ def test_checkpoint_loads_into_four_stages_and_into_one_process(tmp_path):
     four = make_args(*TINY, "--world_size", "2", "--schedule", "Interleaved1F1B", "--split", "tracer")
     four.ckpt_root, four.ckpt, four.load = tmp_path, args.ckpt, 1
     four_stages = _last_rank_losses(distkit.launch(_train_save_continue, four))
-    torch.testing.assert_close(four_stages, two_stages)
+    # float32 losses as float32 tensors: as Python floats they would get float64's tolerance
+    torch.testing.assert_close(torch.tensor(four_stages), torch.tensor(two_stages))
 
     # one process, the plain Transformer, no process group
     torch.manual_seed(args.seed + 7)
@@ -129,54 +146,114 @@ def test_checkpoint_loads_into_four_stages_and_into_one_process(tmp_path):
             opt.zero_grad()
             loss.backward()
             opt.step()
-    torch.testing.assert_close(one_process, two_stages)
+    torch.testing.assert_close(torch.tensor(one_process), torch.tensor(two_stages))
+
+
+def _one_step(args: argparse.Namespace) -> tuple[Transformer, torch.optim.Optimizer]:
+    """The TINY model in this process after one AdamW step."""
+    model = Transformer(model_args_from(args))
+    opt = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    x, y = synthetic_batch(0, args.batch_size, args.seq_len, args.vocab_size, args.seed)
+    tokenwise_loss_fn(model(x), y).backward()
+    opt.step()
+    return model, opt
 
 
 @pytest.fixture
 def saved(tmp_path):
     """A complete one-process checkpoint of the TINY model after one AdamW step."""
     args = make_args(*TINY)
-    model = Transformer(model_args_from(args))
-    opt = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    x, y = synthetic_batch(0, args.batch_size, args.seq_len, args.vocab_size, args.seed)
-    tokenwise_loss_fn(model(x), y).backward()
-    opt.step()
-    return checkpoint.save(tmp_path, 1, [(model, opt)])
+    return checkpoint.save(tmp_path, 1, [_one_step(args)], data_settings_from(args))
 
 
-def _refused(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main([*TINY, *argv])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
-    return err
+@pytest.fixture
+def refused(capsys, monkeypatch):
+    """``refused(argv)``: main(TINY + argv) exits 2 with one line, before launching anything;
+    returns that line."""
+    # were a check to let bad input through, the test fails here instead of training
+    monkeypatch.setattr(distkit, "launch", lambda *a: pytest.fail("launched despite bad input"))
+
+    def run(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*TINY, *argv])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        return err
+    return run
 
 
-def test_truncated_or_unfinished_checkpoint_is_refused(saved, capsys):
+def test_truncated_or_unfinished_checkpoint_is_refused(saved, refused):
     assert checkpoint.problem(saved) is None
     data = sorted(saved.glob("*.distcp"))[0]
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
-    err = _refused(["--resume", str(saved)], capsys)
+    err = refused(["--resume", str(saved)])
     assert f"cannot resume from {saved}: {data.name} is truncated" in err, err
 
     (saved / checkpoint.COMPLETE).unlink()  # as if the run died before every rank finished
-    err = _refused(["--resume", str(saved)], capsys)
+    err = refused(["--resume", str(saved)])
     assert "no COMPLETE marker: its save never finished" in err, err
 
 
-def test_resume_picks_the_newest_complete_checkpoint(saved, capsys):
+@pytest.mark.parametrize("marker, message", [
+    ({"step": 5}, "its COMPLETE marker is damaged (no step or no file sizes)"),
+    ([], "its COMPLETE marker is damaged (no step or no file sizes)"),
+    ({"step": 5, "files": {".metadata": "big"}}, "its COMPLETE marker is damaged"),
+    ({"step": 5, "files": {}}, "its COMPLETE marker does not list .metadata"),
+    (None, "its .metadata cannot be read"),  # the marker is right; .metadata is not
+])
+def test_damaged_marker_or_metadata_is_refused_and_skipped(saved, refused, marker, message):
+    # a newer checkpoint, the same files, damaged: valid JSON but not a marker save() wrote,
+    # or a .metadata of the right size that is not a pickle
+    damaged = shutil.copytree(saved, checkpoint.step_dir(saved.parent, 5))
+    if marker is None:
+        meta = damaged / ".metadata"
+        meta.write_bytes(b"\x80" * meta.stat().st_size)
+    else:
+        (damaged / checkpoint.COMPLETE).write_text(json.dumps(marker))
+    assert message in checkpoint.problem(damaged)
+    assert checkpoint.latest_complete(saved.parent) == saved  # skipped, with a warning
+    err = refused(["--resume", str(damaged)])
+    assert f"cannot resume from {damaged}: {message}" in err, err
+    if marker is None:  # asked directly, incompatibility() says so too instead of raising
+        args = make_args(*TINY)
+        assert message in checkpoint.incompatibility(damaged, model_args_from(args), args.optimizer,
+                                                     data_settings_from(args))
+
+
+def test_resume_picks_the_newest_complete_checkpoint(saved, refused):
     root = saved.parent
     (root / "step_5").mkdir()  # a newer save cut short: no marker
     (root / "step_5" / ".metadata").write_bytes(b"\0")
     assert checkpoint.latest_complete(root) == saved
     assert make_args(*TINY, "--checkpoint_dir", str(root), "--resume").resume_path == str(saved)
-    err = _refused(["--resume", str(saved), "--dim", "32"], capsys)
+    err = refused(["--resume", str(saved), "--dim", "32"])
     assert "its tok_embeddings.weight is (32, 16), this model's is (32, 32)" in err, err
-    err = _refused(["--resume", str(saved), "--optimizer", "sgd"], capsys)
+    err = refused(["--resume", str(saved), "--optimizer", "sgd"])
     assert "is not --optimizer sgd's" in err, err
-    assert "needs --checkpoint_dir" in _refused(["--resume"], capsys)
+    assert "needs --checkpoint_dir" in refused(["--resume"])
+
+
+def test_resume_with_other_data_settings_is_refused(saved, refused, tmp_path):
+    # TINY is --seed 3 --batch_size 8 --seq_len 8 --vocab_size 32
+    err = refused(["--resume", str(saved), "--seed", "4", "--batch_size", "16"])
+    assert (f"cannot resume from {saved}: it was saved with --seed 3 --batch_size 8, "
+            f"not --seed 4 --batch_size 16 (another data stream)") in err, err
+    # named as a data flag, although the embedding's shape differs too
+    err = refused(["--checkpoint_dir", str(saved.parent), "--resume", "--vocab_size", "64"])
+    assert "it was saved with --vocab_size 32, not --vocab_size 64" in err, err
+    err = refused(["--resume", str(saved), "--seq_len", "4"])
+    assert "it was saved with --seq_len 8, not --seq_len 4" in err, err
+    # what only cuts the same batches differently does not change the stream
+    assert make_args(*TINY, "--resume", str(saved), "--n_microbatches", "2",
+                     "--world_size", "4", "--n_layers", "4").resume_path == str(saved)
+
+    # a checkpoint that does not say which stream it was on is not trusted to continue one
+    unknown = checkpoint.save(tmp_path / "unknown", 1, [_one_step(make_args(*TINY))], {})
+    err = refused(["--resume", str(unknown)])
+    assert ("it does not record its data settings (--seed, --batch_size, --seq_len, "
+            "--vocab_size)") in err, err
 
 
 def test_bad_checkpoint_from_the_command_line_is_one_line_exit_2(tmp_path):

@@ -177,10 +177,17 @@ def test_torchrun_launch_with_v_shaped_schedule():
     (["--schedule", "PipeDream"], "unknown schedule 'PipeDream'"),
     (["--split", "auto"], "invalid choice: 'auto'"),
     (["--world_size", "0"], "--world_size must be at least 1"),
+    # argparse's float() accepts these; a nan learning rate would train nothing silently
+    (["--lr", "0"], "--lr must be positive and finite, got 0.0"),
+    (["--lr", "nan"], "--lr must be positive and finite, got nan"),
+    (["--lr", "inf"], "--lr must be positive and finite, got inf"),
+    (["--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
+    (["--loss_log", "no/such/dir/losses.jsonl"], "no such directory no/such/dir"),
 ])
-def test_bad_input_is_rejected_before_launch(argv, message, capsys):
+def test_bad_input_is_rejected_before_launch(argv, message, capsys, monkeypatch):
     # in this process (a process per case would cost seconds each): main() must stop
-    # with status 2 before it launches anything
+    # with status 2 before it launches anything; were a check broken, fail, not train
+    monkeypatch.setattr(distkit, "launch", lambda *a: pytest.fail("launched despite bad input"))
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
