@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 
@@ -60,8 +59,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for flag in ("epochs", "batches_per_epoch", "batch_size"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        parser.error(f"--lr must be a positive number, got {args.lr}")
+    distkit.require_positive(parser, "--lr", args.lr)
     if args.seed < 0:
         parser.error(f"--seed must be non-negative, got {args.seed}")
     if args.device == "cuda" and not distkit.under_torchrun():

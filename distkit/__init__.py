@@ -13,11 +13,12 @@ from .launch import (
     job_store,
     launch,
     parse_ranks,
+    require_positive,
     under_torchrun,
 )
 
 __all__ = [
     "ArgumentParser", "Worker", "add_launch_args", "backend_for", "check_launch_args",
-    "cleanup", "gpu_count", "job_store", "launch", "parse_ranks", "pick_device",
+    "cleanup", "gpu_count", "job_store", "launch", "parse_ranks", "pick_device", "require_positive",
     "threads_per_process", "under_torchrun",
 ]

@@ -132,9 +132,8 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--world_size must be at most {max_world_size}, got {args.world_size}")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         parser.error(f"--master_port must be in 1..65535, got {args.master_port}")
-    timeout = getattr(args, "rpc_timeout", 1.0)
-    if not (math.isfinite(timeout) and timeout > 0):  # nan or inf would unbound every RPC
-        parser.error(f"--rpc_timeout must be a positive number of seconds, got {timeout}")
+    if hasattr(args, "rpc_timeout"):  # nan or inf would leave every RPC unbounded
+        require_positive(parser, "--rpc_timeout", args.rpc_timeout)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
     try:
@@ -143,6 +142,16 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(str(e))
     if 0 not in ranks and (args.master_addr is None or args.master_port is None):
         parser.error("a machine that does not run rank 0 needs --master_addr and --master_port")
+
+
+def require_positive(parser: argparse.ArgumentParser, flag: str, value: float) -> None:
+    """A one-line error unless ``value`` is a positive, finite number.
+
+    argparse's ``float`` accepts "nan" and "inf", and ``nan <= 0`` is False, so a plain
+    ``value <= 0`` check lets both through.
+    """
+    if not (math.isfinite(value) and value > 0):
+        parser.error(f"{flag} must be a positive number, got {value}")
 
 
 def parse_ranks(spec: str | None, world_size: int) -> list[int]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import resource
 import sys
@@ -117,8 +116,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--dim {args.dim} is not divisible by --n_heads {args.n_heads}")
     if not 0 <= args.dropout < 1:  # also false for nan
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    if not (math.isfinite(args.lr) and args.lr > 0):  # argparse's float() takes "nan" and "inf"
-        parser.error(f"--lr must be positive and finite, got {args.lr}")
+    distkit.require_positive(parser, "--lr", args.lr)
     if args.loss_log is not None:
         folder = os.path.dirname(args.loss_log) or "."
         if not os.path.isdir(folder):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 
@@ -72,8 +71,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        parser.error(f"--lr must be a positive number, got {args.lr}")
+    distkit.require_positive(parser, "--lr", args.lr)
     for n in args.splits:
         if not 1 <= n <= args.batch_size:
             parser.error(f"--splits values must be in 1..{args.batch_size} (--batch_size), got {n}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -69,8 +68,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{name} must be at least 2, got {getattr(args, name)}")
     if not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        parser.error(f"--lr must be a positive number, got {args.lr}")
+    distkit.require_positive(parser, "--lr", args.lr)
     ps_here = 0 in distkit.parse_ranks(args.ranks, args.world_size)
     if args.device == "cuda" and ps_here and distkit.gpu_count() == 0:
         parser.error("--device cuda needs a GPU on the parameter server (rank 0); none is visible")

@@ -178,9 +178,9 @@ def test_torchrun_launch_with_v_shaped_schedule():
     (["--split", "auto"], "invalid choice: 'auto'"),
     (["--world_size", "0"], "--world_size must be at least 1"),
     # argparse's float() accepts these; a nan learning rate would train nothing silently
-    (["--lr", "0"], "--lr must be positive and finite, got 0.0"),
-    (["--lr", "nan"], "--lr must be positive and finite, got nan"),
-    (["--lr", "inf"], "--lr must be positive and finite, got inf"),
+    (["--lr", "0"], "--lr must be a positive number, got 0.0"),
+    (["--lr", "nan"], "--lr must be a positive number, got nan"),
+    (["--lr", "inf"], "--lr must be a positive number, got inf"),
     (["--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
     (["--loss_log", "no/such/dir/losses.jsonl"], "no such directory no/such/dir"),
 ])
