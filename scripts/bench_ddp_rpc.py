@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 from bench_rpc_rnn import PhaseClock, launch_timed, phase_seconds, plot, print_tables  # noqa: E402
 from bench_rpc_rnn import rpc_round_trip, summarize, threads  # noqa: E402
-from benchlib import describe_machine, format_table  # noqa: E402
+from benchlib import describe_machine  # noqa: E402
 from ddp_rpc.main import build_parser as ddp_parser, check_args as ddp_check, run_worker  # noqa: E402
 from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch  # noqa: E402
 

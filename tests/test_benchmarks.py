@@ -8,8 +8,6 @@ import importlib
 import math
 import sys
 
-import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
