@@ -119,8 +119,17 @@ def hosts():
         _teardown(created)
 
 
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """Listening TCP sockets of the network namespace process ``pid`` runs in."""
+def _listening(pid: int, ns: str) -> set[tuple[str, int]]:
+    """Listening TCP sockets of network namespace ``ns``, read through process ``pid``.
+
+    Nothing until ``pid`` has entered ``ns``: ``ip netns exec`` starts in this machine's own
+    namespace, whose sockets (other programs' servers on 0.0.0.0) are not the job's.
+    """
+    try:
+        if os.readlink(f"/proc/{pid}/ns/net") != f"net:[{os.stat(f'/run/netns/{ns}').st_ino}]":
+            return set()
+    except OSError:  # the process is gone
+        return set()
     found = set()
     for table in ("tcp", "tcp6"):
         try:
@@ -153,9 +162,9 @@ def run_on_hosts(jobs: list[tuple[Host, list[str], dict[str, str]]], tmp_path: P
     deadline = time.monotonic() + HOST_TIMEOUT
     try:
         while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
-            for seen, (p, _) in zip(listening, procs):
+            for seen, (p, _), (host, _, _) in zip(listening, procs, jobs):
                 if p.poll() is None:
-                    seen |= _listening(p.pid)
+                    seen |= _listening(p.pid, host.ns)
             time.sleep(0.25)
     finally:
         timed_out = [i for i, (p, _) in enumerate(procs) if p.poll() is None]
