@@ -139,9 +139,14 @@ def plot_timelines(path: str | Path, panels: Sequence[tuple[str, Sequence[Span]]
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, sum(heights)),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     hatch = {"F": "", "B": "//", "W": "xx"}
+    # one time axis for every panel: a planned panel scaled to real time compares by eye
+    extent = max((max((s.end for s in spans), default=0.0) - min((s.start for s in spans), default=0.0)
+                  for _, spans in panels), default=0.0) * scale
     for ax, (name, spans), ranks in zip(axes[:, 0], panels, ranks_per_panel):
         origin = min((s.start for s in spans), default=0.0)
         row = {r: i for i, r in enumerate(ranks)}
+        # a rank with several stages: "2F3" is stage 2's forward of micro-batch 3 (PyTorch's notation)
+        several = len({(s.rank, s.stage) for s in spans if s.kind in COMPUTE}) > len(ranks)
         for s in spans:
             y = row[s.rank]
             x0, w = (s.start - origin) * scale, max(0.0, s.end - s.start) * scale
@@ -149,13 +154,13 @@ def plot_timelines(path: str | Path, panels: Sequence[tuple[str, Sequence[Span]]
                 color = cmap((s.microbatch or 0) % 10)
                 ax.broken_barh([(x0, w)], (y - 0.35, 0.7), facecolors=color, edgecolor="black",
                                linewidth=0.4, hatch=hatch[s.kind])
-                ax.text(x0 + w / 2, y, s.label if s.stage is None else f"{s.label}",
+                ax.text(x0 + w / 2, y, f"{s.stage}{s.label}" if several and s.stage is not None else s.label,
                         ha="center", va="center", fontsize=6, clip_on=True)
             else:
                 ax.broken_barh([(x0, w)], (y + 0.38, 0.1), facecolors="0.6")
         ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
         ax.set_ylim(len(ranks) - 0.4, -0.6)
-        ax.set_xlim(left=0)
+        ax.set_xlim(0, extent * 1.01 or None)
         ax.set_title(name, fontsize=9, loc="left")
         ax.set_xlabel(f"time ({unit})" if unit else "time (unit costs)")
     legend = [Patch(facecolor="white", edgecolor="black", hatch=hatch[k], label=lbl)

@@ -28,6 +28,7 @@ data flags, --seed --batch_size --seq_len --vocab_size, or the resume is refused
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ import torch.distributed as dist
 import distkit
 from pipelining_transformer import checkpoint
 from pipelining_transformer.model import ModelArgs, Transformer
+from pipelining_transformer.timeline import PipelineTracer
 from pipelining_transformer.parallel import (
     SCHEDULES,
     DistEnv,
@@ -84,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--loss_log", default=None, metavar="PATH",
                         help='append {"step": N, "loss": L} per step to PATH, one JSON line each, '
                              "the loss at full precision (a resumed run continues the file)")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="record every forward/backward/weight-gradient and P2P wait per rank: "
+                             "DIR/rank<r>.json, merged DIR/trace.json (Perfetto), DIR/timeline.png "
+                             "(last step, measured beside PyTorch's plan)")
     ckpt = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
     ckpt.add_argument("--checkpoint_dir", default=None, metavar="DIR",
                       help="save into DIR/step_<N>/ every --checkpoint_every steps and at the end")
@@ -131,6 +137,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if problem:
         parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
                      f"on {args.world_size} ranks: {problem}")
+    if args.trace is not None and os.path.exists(args.trace) and not os.path.isdir(args.trace):
+        parser.error(f"--trace {args.trace} is a file, not a directory")
     check_checkpoint_args(parser, args)
 
 
@@ -191,10 +199,12 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     losses: list[float] = []
     # appended to, so that a resumed run goes on with the file of the run it resumes
     loss_log = open(args.loss_log, "a") if args.loss_log and pp.has_last else None
+    tracer = PipelineTracer(dist.get_rank()) if args.trace else None
     start = time.perf_counter()
     for step in range(first, args.steps):
         x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
-        mb_losses = pp.forward_backward(x, y)
+        with tracer.step(step) if tracer else contextlib.nullcontext():
+            mb_losses = pp.forward_backward(x, y)
         pp.optimizer_step()
         if mb_losses is not None:
             # equal micro-batches: the mean of their mean losses is the batch's mean loss
@@ -214,6 +224,8 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
         loss_log.close()
     # peak resident memory of this process (Linux reports KiB)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if tracer:
+        tracer.finish(args.trace, args.schedule, args.n_microbatches)
     dist.destroy_process_group()
     summary = f"{args.steps - first} steps in {seconds:.1f} s, peak memory {peak_mb:.0f} MB"
     if losses:

@@ -1,0 +1,338 @@
+"""What a schedule plans and what the ranks measure: ideal bubbles and ``--trace`` timelines.
+
+Planned: ``plan(schedule, world_size, m)`` asks PyTorch for the schedule's per-rank action
+table (before anything runs) and plays it with unit costs, F = 1, full B = 2, and for the
+zero-bubble schedules I (input gradients) = 1, W (weight gradients) = 1, messages free and
+stages equal. Each rank runs its actions in the table's order; an action starts when its
+rank is free and its inputs exist (F of micro-batch i on stage s after F of i on s - 1;
+B or I of i on s after B or I of i on s + 1; W after I). The ideal bubble of a rank is
+1 - its busy time / the makespan: for GPipe and 1F1B that is (p - 1) / (m + p - 1).
+
+Measured: ``PipelineTracer`` wraps the stages' compute (``forward_one_chunk``,
+``backward_one_chunk``, ``backward_weight_one_chunk``, plus the loss the schedule computes
+after the last stage's forward, which is counted in that F) and the schedule's waits on
+its P2P work objects (``_wait_batch_p2p``), as ``distkit.timeline`` spans. Every rank
+writes ``DIR/rank<r>.json``; rank 0 gathers all spans and writes ``DIR/trace.json`` (all
+ranks, all steps: open it in https://ui.perfetto.dev), ``DIR/planned.json`` (the plan,
+1 unit = 1 s) and ``DIR/timeline.png`` (the last step measured, the plan beside it).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+# Private in torch 2.14.1 (pinned: re-check on upgrade). get_schedule_ops builds a schedule
+# around mock stages and returns its ``pipeline_order``: PyTorch's own table, which we
+# would otherwise have to re-derive per schedule. _PipelineStageBase and the two P2P
+# helpers are where every schedule's compute and waits happen, so wrapping them observes
+# all of it without copying a schedule's loop.
+from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from distkit.timeline import (COMPUTE, Recorder, Span, clock, plot_timelines, read_chrome_trace,
+                              spans_from_dicts, spans_to_dicts, write_chrome_trace)
+from pipelining_transformer.parallel import SCHEDULES, num_stages_for, stage_indices_for
+
+log = logging.getLogger(__name__)
+
+# The cost model of the plan, in units of one stage's forward of one micro-batch
+COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+# How a planned action is drawn: I (input gradients only) is a backward, as in distkit
+KIND = {"F": "F", "B": "B", "I": "B", "W": "W"}
+
+
+# ---------------------------------------------------------------------------- planned
+
+
+def action_table(schedule: str, world_size: int, n_microbatches: int
+                 ) -> list[list[tuple[str, int, int]]]:
+    """Each rank's compute actions in order, as (type, stage, micro-batch); type F, B, I, W.
+
+    PyTorch's table, with its spacing (None) dropped and DualPipeV's overlapped F+B pairs
+    split into their two actions, which the runtime runs one after the other.
+    """
+    ops = get_schedule_ops(SCHEDULES[schedule], world_size, n_microbatches)
+    table = []
+    for rank_ops in ops:
+        actions = []
+        for a in rank_ops:
+            for sub in (a.sub_actions or (a,)) if a is not None else ():
+                kind = sub.computation_type.value
+                if kind in COSTS:  # not REDUCE_GRAD, UNSHARD, ...
+                    actions.append((kind, sub.stage_index, sub.microbatch_index))
+        table.append(actions)
+    if schedule == "1F1B" and _table_problem(table, schedule, world_size, n_microbatches):
+        # torch 2.14.1's Schedule1F1B._get_pipeline_order numbers the last rank's micro-batches
+        # from 1 (F1..Fm, no F0) and leaves the middle ranks one warm-up forward short; its
+        # _step_microbatches, which is what runs, does not use that table. This is the order
+        # _step_microbatches runs: min(m, p - s) warm-up forwards, then B, F alternately.
+        table = [_one_f_one_b(rank, world_size, n_microbatches) for rank in range(world_size)]
+    problem = _table_problem(table, schedule, world_size, n_microbatches)
+    if problem:
+        raise ValueError(f"PyTorch's {schedule} table on {world_size} ranks, m = "
+                         f"{n_microbatches}: {problem}")
+    return table
+
+
+def _one_f_one_b(stage: int, num_stages: int, m: int) -> list[tuple[str, int, int]]:
+    warmup = min(m, num_stages - stage)
+    actions = [("F", stage, i) for i in range(warmup)]
+    for i in range(m):
+        actions.append(("B", stage, i))
+        if warmup + i < m:
+            actions.append(("F", stage, warmup + i))
+    return actions
+
+
+def _table_problem(table: list[list[tuple[str, int, int]]], schedule: str, world_size: int,
+                   m: int) -> str | None:
+    """Why ``table`` is not one F and one backward (B, or I and W) per stage and micro-batch."""
+    for rank, actions in enumerate(table):
+        for stage in stage_indices_for(schedule, rank, world_size):
+            for i in range(m):
+                kinds = sorted(k for k, s, mb in actions if (s, mb) == (stage, i))
+                if kinds not in (["B", "F"], ["F", "I", "W"]):
+                    return f"rank {rank} has {kinds or 'nothing'} for stage {stage}, micro-batch {i}"
+        if len(actions) != len(set(actions)):
+            return f"rank {rank} repeats an action"
+    return None
+
+
+@dataclass
+class Plan:
+    """A schedule's table played with unit costs: spans in cost units, per rank."""
+
+    schedule: str
+    world_size: int
+    n_microbatches: int
+    spans: list[Span]
+    makespan: float
+
+    def busy(self, rank: int) -> float:
+        return sum(s.end - s.start for s in self.spans if s.rank == rank)
+
+    @property
+    def idle(self) -> list[float]:
+        """Each rank's ideal idle fraction of the makespan (its ideal bubble)."""
+        return [1 - self.busy(r) / self.makespan for r in range(self.world_size)]
+
+    @property
+    def bubble(self) -> float:
+        """The mean over ranks: what the benchmark's measured bubble is compared with."""
+        return sum(self.idle) / self.world_size
+
+
+def plan(schedule: str, world_size: int, n_microbatches: int) -> Plan:
+    """Play ``schedule``'s own action table with ``COSTS`` (see the module docstring)."""
+    table = action_table(schedule, world_size, n_microbatches)
+    last = num_stages_for(schedule, world_size) - 1
+    done: dict[tuple[str, int, int], float] = {}  # (type, stage, mb) -> end time
+    free = [0.0] * world_size
+    heads = [0] * world_size
+    spans: list[Span] = []
+
+    def ready(kind: str, stage: int, mb: int) -> float | None:
+        """When the inputs of this action exist, or None if not yet known."""
+        if kind == "F":
+            deps = [("F", stage - 1, mb)] if stage > 0 else []
+        elif kind in ("B", "I"):
+            deps = [("F", stage, mb)] if stage == last else [("B", stage + 1, mb), ("I", stage + 1, mb)]
+            deps = [d for d in deps if d in done] or deps[:1]  # B or I of the next stage
+        else:  # W
+            deps = [("I", stage, mb)]
+        if any(d not in done for d in deps):
+            return None
+        return max((done[d] for d in deps), default=0.0)
+
+    while any(h < len(t) for h, t in zip(heads, table)):
+        progress = False
+        for rank, actions in enumerate(table):
+            while heads[rank] < len(actions):
+                kind, stage, mb = actions[heads[rank]]
+                t = ready(kind, stage, mb)
+                if t is None:
+                    break
+                start = max(free[rank], t)
+                free[rank] = done[kind, stage, mb] = start + COSTS[kind]
+                spans.append(Span(rank, KIND[kind], start, free[rank], stage, mb))
+                heads[rank] += 1
+                progress = True
+        if not progress:
+            stuck = {r: t[h] for r, (h, t) in enumerate(zip(heads, table)) if h < len(t)}
+            raise RuntimeError(f"{schedule}'s table deadlocks: next actions {stuck}")
+    return Plan(schedule, world_size, n_microbatches, spans, max(free))
+
+
+def ideal_bubble(schedule: str, world_size: int, n_microbatches: int) -> float:
+    return plan(schedule, world_size, n_microbatches).bubble
+
+
+# --------------------------------------------------------------------------- measured
+
+_recorder: Recorder | None = None  # the one tracing this process, if any
+_installed = False
+
+
+def _install() -> None:
+    """Wrap the stage compute and the schedules' P2P waits (once per process)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+
+    def timed(cls, name: str, kind_of):
+        fn = getattr(cls, name)
+
+        @functools.wraps(fn)
+        def wrapper(stage, chunk, *args, **kwargs):
+            if _recorder is None:
+                return fn(stage, chunk, *args, **kwargs)
+            with _recorder.span(kind_of(kwargs), stage.stage_index, chunk):
+                return fn(stage, chunk, *args, **kwargs)
+        setattr(cls, name, wrapper)
+
+    timed(_PipelineStageBase, "forward_one_chunk", lambda kw: "F")
+    timed(_PipelineStageBase, "backward_one_chunk", lambda kw: "B")
+    timed(_PipelineStageBase, "backward_weight_one_chunk", lambda kw: "W")
+
+    loss_fn = _schedules._PipelineSchedule._maybe_compute_loss
+
+    @functools.wraps(loss_fn)
+    def loss_in_forward(self, stage, output, target_mbs, mb_index, *args, **kwargs):
+        result = loss_fn(self, stage, output, target_mbs, mb_index, *args, **kwargs)
+        spans = _recorder.spans if _recorder is not None else []
+        if stage.is_last and spans and (spans[-1].kind, spans[-1].stage,
+                                        spans[-1].microbatch) == ("F", stage.stage_index, mb_index):
+            last = spans[-1]  # the loss is the last stage's forward's tail: one F span
+            _recorder.spans[-1] = Span(last.rank, "F", last.start, clock(), last.stage, mb_index)
+        return result
+    _schedules._PipelineSchedule._maybe_compute_loss = loss_in_forward
+
+    # Which P2P ops (and so which works) carry which stage's micro-batch, and which way
+    for name, direction in (("get_fwd_recv_ops", "recv"), ("get_bwd_recv_ops", "recv"),
+                            ("get_fwd_send_ops", "send"), ("get_bwd_send_ops", "send")):
+        def tagging(fn, direction=direction):
+            @functools.wraps(fn)
+            def wrapper(stage, chunk, *args, **kwargs):
+                ops = fn(stage, chunk, *args, **kwargs)
+                for op in ops:
+                    op._trace = (direction, stage.stage_index, chunk)
+                return ops
+            return wrapper
+        setattr(_PipelineStageBase, name, tagging(getattr(_PipelineStageBase, name)))
+
+    batch_p2p, wait_batch_p2p = _schedules._batch_p2p, _schedules._wait_batch_p2p
+
+    @functools.wraps(batch_p2p)
+    def tagged_batch_p2p(p2p_ops, *args, **kwargs):
+        works = batch_p2p(p2p_ops, *args, **kwargs)
+        if _recorder is not None:
+            tags = [getattr(op, "_trace", None) for op in p2p_ops]
+            for w in works:  # a work kept here until the step ends: its id stays its own
+                _works[id(w)] = (w, tags)
+        return works
+
+    @functools.wraps(wait_batch_p2p)
+    def timed_wait(work):
+        if _recorder is None or not work:
+            return wait_batch_p2p(work)
+        tags = [t for w in work for t in _works.get(id(w), (None, [None]))[1] if t]
+        recvs = [t for t in tags if t[0] == "recv"]
+        kind = ("recv" if len(recvs) == len(tags) else "send" if not recvs else "wait") if tags else "wait"
+        _, stage, mb = (recvs or tags or [(None, None, None)])[0]
+        with _recorder.span(kind, stage, mb):
+            return wait_batch_p2p(work)
+
+    _schedules._batch_p2p, _schedules._wait_batch_p2p = tagged_batch_p2p, timed_wait
+
+
+_works: dict[int, tuple[object, list]] = {}  # id(work) -> (work, its ops' tags), this step
+
+
+class PipelineTracer:
+    """One rank's recorder for ``--trace``: spans of every step, then files and a drawing."""
+
+    def __init__(self, rank: int) -> None:
+        global _recorder
+        _install()
+        self.recorder = _recorder = Recorder(rank)
+
+    @contextmanager
+    def step(self, index: int) -> Iterator[None]:
+        """Time one schedule step (``forward_backward``) as a "step" span."""
+        with self.recorder.span("step", None, index):
+            yield
+        _works.clear()
+
+    def finish(self, folder: str | Path, schedule: str, n_microbatches: int) -> Path | None:
+        """Write this rank's file; gather every rank's spans on rank 0, which writes and draws.
+
+        A collective: every rank of the default group calls it. Returns the PNG on rank 0.
+        """
+        global _recorder
+        _recorder = None
+        folder = Path(folder)
+        rank = self.recorder.rank
+        spans = self.recorder.spans
+        write_chrome_trace(folder / f"rank{rank}.json", spans)
+        gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(spans_to_dicts(spans), gathered, dst=0)
+        if rank != 0:
+            return None
+        every = [s for rows in gathered for s in spans_from_dicts(rows)]
+        write_chrome_trace(folder / "trace.json", every)
+        p = plan(schedule, dist.get_world_size(), n_microbatches)
+        write_chrome_trace(folder / "planned.json", p.spans, origin=0.0)
+        png = draw(folder / "timeline.png", every, p)
+        log.info(f"trace written to {folder}/trace.json (open in https://ui.perfetto.dev), "
+                 f"drawn in {png}")
+        return png
+
+
+def last_step(spans: list[Span]) -> tuple[list[Span], float, float]:
+    """The compute and wait spans of the last step every rank ran, and that step's window."""
+    index = max(s.microbatch for s in spans if s.kind == "step")
+    steps = [s for s in spans if s.kind == "step" and s.microbatch == index]
+    start, end = min(s.start for s in steps), max(s.end for s in steps)
+    inside = [s for s in spans if s.kind != "step" and start <= s.start and s.end <= end]
+    return inside, start, end
+
+
+def measured_bubbles(spans: list[Span]) -> dict[int, float]:
+    """Per rank, in its last step: 1 - compute / the time its ``forward_backward`` took."""
+    index = max(s.microbatch for s in spans if s.kind == "step")
+    out = {}
+    for step in (s for s in spans if s.kind == "step" and s.microbatch == index):
+        busy = sum(s.end - s.start for s in spans if s.rank == step.rank and s.kind in COMPUTE
+                   and step.start <= s.start and s.end <= step.end)
+        out[step.rank] = 1 - busy / (step.end - step.start)
+    return dict(sorted(out.items()))
+
+
+def draw(path: str | Path, spans: list[Span], p: Plan) -> Path:
+    """The last step measured, above the plan scaled so that its busy time matches."""
+    inside, start, end = last_step(spans)
+    bubbles = measured_bubbles(spans)
+    busy = sum(s.end - s.start for s in inside if s.kind in COMPUTE) / p.world_size
+    unit = busy / (sum(p.busy(r) for r in range(p.world_size)) / p.world_size)
+    planned = [Span(s.rank, s.kind, s.start * unit, s.end * unit, s.stage, s.microbatch)
+               for s in p.spans]
+    measured_text = ", ".join(f"rank {r} {b:.2f}" for r, b in bubbles.items())
+    # a zero-length marker of the step's start, so the measured panel starts with the step
+    marker = [Span(min(bubbles), "step", start, start)]
+    return plot_timelines(path, [
+        (f"measured, last step ({1e3 * (end - start):.0f} ms): bubble {measured_text}", marker + inside),
+        (f"planned: PyTorch's {p.schedule} table, F=1 B=2 I=1 W=1, free messages, unit = "
+         f"{1e3 * unit:.1f} ms ({1e3 * p.makespan * unit:.0f} ms): ideal bubble "
+         + ", ".join(f"rank {r} {b:.2f}" for r, b in enumerate(p.idle)), planned)],
+        title=f"{p.schedule}, {p.world_size} ranks, {p.n_microbatches} micro-batches", unit="ms")
+
+
+def read_trace(folder: str | Path) -> list[Span]:
+    return read_chrome_trace(Path(folder) / "trace.json")
