@@ -12,11 +12,23 @@ three methods are wrapped with clocks, nothing else is touched:
     step time is the median over the steps after --warmup, tokens/s = batch tokens / that;
   - ``PipelineRank.forward_backward``: the schedule's part of a step (its sends, receives,
     forwards and backwards);
-  - ``PipelineStage.forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``:
-    a rank's compute. Measured bubble = 1 - compute / schedule time, the share of the
-    schedule a rank spends waiting (mean over ranks); ideal = (p - 1) / (v m + p - 1) for p
-    ranks with v stages each (v = 1: the tutorial's (p - 1) / (m + p - 1)).
+  - ``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk`` of every
+    stage, and the loss the schedule computes after the last stage's forward: a rank's
+    compute. Measured bubble = 1 - compute / schedule time, the share of the schedule a
+    rank spends waiting (mean over ranks). Ideal bubble: the schedule's own action table
+    played with unit costs (F 1, B 2, I 1, W 1; ``pipelining_transformer.timeline.plan``):
+    (p - 1) / (m + p - 1) for GPipe and 1F1B, less for the interleaved and zero-bubble ones.
 Peak memory is each process's peak resident set (``ru_maxrss``, ``import torch`` included).
+
+--sweep: where pipelining pays. GPipe and 1F1B (or --schedules) on --world_size ranks with
+m = 8 (or the first --microbatches), over work per micro-batch (batch size x sequence
+length, the model fixed), against two references in one process:
+  - "local": the whole batch at once with all cores: what a user would otherwise run;
+    speed-up over it > 1 is the crossover;
+  - "sequential": the same m micro-batches one after another with one thread, gradients
+    accumulated: the work a pipeline of p ranks spreads, so its speed-up over this is at
+    most p m / (m + p - 1) (1.78 for p = 2, m = 8); efficiency = speed-up / that bound.
+    python scripts/bench_pipelining_transformer.py --sweep --plot docs/results/pipelining_transformer_sweep.png
 """
 from __future__ import annotations
 
@@ -29,7 +41,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.pipelining import PipelineStage
+# private in torch 2.14.1: the base class holds the compute methods of both kinds of stage
+# (PipelineStage, and the tracer split's _PipelineStage); the schedule computes the loss
+from torch.distributed.pipelining import schedules as pp_schedules
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
@@ -37,8 +52,8 @@ import pipelining_transformer.main as example  # noqa: E402
 from benchlib import describe_machine, format_table, median, save_plot  # noqa: E402
 from pipelining_transformer.model import Transformer, tokenwise_loss_fn  # noqa: E402
 from pipelining_transformer.parallel import (  # noqa: E402
-    SCHEDULES, PipelineRank, STAGES_PER_RANK_MULTI, is_multi_stage, make_optimizer,
-    schedule_problem, synthetic_batch)
+    SCHEDULES, PipelineRank, make_optimizer, schedule_problem, synthetic_batch)
+from pipelining_transformer.timeline import ideal_bubble  # noqa: E402
 
 HEADER = ["schedule", "m", "step ms", "tokens/s", "local step ms", "local tokens/s", "speed-up",
           "1-thread step ms", "bubble", "ideal bubble", "peak MB/rank", "local peak MB"]
@@ -74,7 +89,9 @@ class Clocks:
             self._busy = 0.0
 
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            setattr(PipelineStage, name, timed(getattr(PipelineStage, name), add_busy))
+            setattr(_PipelineStageBase, name, timed(getattr(_PipelineStageBase, name), add_busy))
+        loss = pp_schedules._PipelineSchedule._maybe_compute_loss
+        pp_schedules._PipelineSchedule._maybe_compute_loss = timed(loss, add_busy)
         PipelineRank.forward_backward = timed(PipelineRank.forward_backward, end_schedule)
         PipelineRank.optimizer_step = timed(PipelineRank.optimizer_step,
                                             lambda a, b: self.step_ends.append(b))
@@ -104,6 +121,24 @@ def local_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     return {"step_ends": step_ends, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def sequential_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """One process, the whole model: the batch's micro-batches one after another, one optimizer
+    step on their accumulated gradients. The work a pipeline spreads over its ranks."""
+    torch.manual_seed(args.seed)
+    model = Transformer(example.model_args_from(args))
+    opt = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    m = args.n_microbatches
+    step_ends = []
+    for step in range(args.steps):
+        x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
+        opt.zero_grad(set_to_none=True)
+        for xm, ym in zip(x.chunk(m), y.chunk(m)):
+            (tokenwise_loss_fn(model(xm), ym) / m).backward()
+        opt.step()
+        step_ends.append(time.perf_counter())
+    return {"step_ends": step_ends}
+
+
 def step_seconds(step_ends: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(step_ends[warmup - 1:], step_ends[warmup:])]
 
@@ -114,14 +149,13 @@ def summarize(schedule: str, m: int, world_size: int, tokens: int, warmup: int,
     local_step = median(step_seconds(local["step_ends"], warmup))
     bubbles = [1 - median([c / s for c, s in zip(r["compute"][warmup:], r["schedule"][warmup:])])
                for r in ranks.values()]
-    v = STAGES_PER_RANK_MULTI if is_multi_stage(schedule) else 1
     peaks = [ranks[k]["peak_mb"] for k in sorted(ranks)]
     return {"schedule": schedule, "m": m, "step ms": 1e3 * step, "tokens/s": tokens / step,
             "local step ms": 1e3 * local_step, "local tokens/s": tokens / local_step,
             "speed-up": local_step / step,
             "1-thread step ms": 1e3 * median(step_seconds(local1["step_ends"], warmup)),
             "bubble": sum(bubbles) / len(bubbles),
-            "ideal bubble": (world_size - 1) / (v * m + world_size - 1),
+            "ideal bubble": ideal_bubble(schedule, world_size, m),
             "peak MB/rank": " / ".join(f"{p:.0f}" for p in peaks), "peak MB": max(peaks),
             "local peak MB": local["peak_mb"]}
 
@@ -142,6 +176,117 @@ def plot(path: str | None, rows: list[dict]) -> None:
     save_plot(path, draw)
 
 
+SWEEP_HEADER = ["schedule", "m", "batch", "tokens/mb", "step ms", "local step ms", "speed-up",
+                "sequential step ms", "vs sequential", "bound", "efficiency", "bubble", "ideal bubble"]
+# (batch size, sequence length) at m = 8: 16, 64, 128, 256, 512 tokens per micro-batch
+SWEEP_POINTS = [(8, 16), (8, 64), (16, 64), (16, 128), (32, 128)]
+QUICK_SWEEP_POINTS = [(8, 8), (8, 32)]
+
+
+def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tuple[int, ...]) -> list[dict]:
+    """Speed-up and efficiency of GPipe/1F1B against work per micro-batch (see the docstring)."""
+    schedules = args.schedules or ["GPipe", "1F1B"]
+    m = (args.microbatches or [4 if args.quick else 8])[0]
+    steps = args.steps or 3
+    points = args.points or (QUICK_SWEEP_POINTS if args.quick else SWEEP_POINTS)
+    p = args.world_size
+    bound = p * m / (m + p - 1)
+    threads = distkit.threads_per_process(p)
+    dim, layers, heads, vocab = model
+    jobs = []
+    for batch, seq in points:
+        common = ["--steps", str(steps), "--batch_size", str(batch), "--seq_len", str(seq),
+                  "--dim", str(dim), "--n_layers", str(layers), "--n_heads", str(heads),
+                  "--vocab_size", str(vocab), "--seed", str(args.seed), "--device", "cpu",
+                  "--n_microbatches", str(m)]
+        exs = []
+        for schedule in schedules:
+            ex = example.build_parser().parse_args([*common, "--world_size", str(p), "--schedule", schedule])
+            example.check_args(parser, ex)  # its one-line errors, before anything runs
+            exs.append(ex)
+        local = example.build_parser().parse_args([*common, "--world_size", "1", "--threads", str(threads * p)])
+        jobs.append((batch, seq, exs, local))
+    print(describe_machine(p, threads))
+    print(f"# sweep: {', '.join(schedules)} on {p} ranks, m = {m}; model dim {dim}, {layers} layers, "
+          f"{heads} heads, vocabulary {vocab}; {steps} AdamW steps, {args.warmup} untimed")
+    print(f"# local: the whole batch in one process, {threads * p} thread(s); sequential: its {m} "
+          f"micro-batches one after another, 1 thread; bound on the speed-up over sequential: "
+          f"p m / (m + p - 1) = {bound:.3f}")
+    rows = []
+    for batch, seq, exs, local_args in jobs:
+        local = distkit.launch(local_worker, local_args)[0]
+        sequential = distkit.launch(sequential_worker,
+                                    argparse.Namespace(**{**vars(local_args), "threads": 1}))[0]
+        local_s = median(step_seconds(local["step_ends"], args.warmup))
+        seq_s = median(step_seconds(sequential["step_ends"], args.warmup))
+        for ex in exs:
+            ranks = distkit.launch(pipeline_worker, ex)
+            row = summarize(ex.schedule, m, p, batch * seq, args.warmup, ranks, local, local)
+            step = row["step ms"] / 1e3
+            rows.append({**{k: row[k] for k in ("schedule", "m", "step ms", "local step ms",
+                                                "speed-up", "bubble", "ideal bubble")},
+                         "batch": f"{batch}x{seq}", "tokens/mb": batch * seq // m,
+                         "sequential step ms": 1e3 * seq_s, "vs sequential": seq_s / step,
+                         "bound": bound, "efficiency": seq_s / step / bound,
+                         "local s": local_s})
+    print(format_table(SWEEP_HEADER, rows))
+    for r in rows:
+        if r["efficiency"] > 1:
+            print(f"# MEASUREMENT ERROR: {r['schedule']} at {r['batch']} is {r['vs sequential']:.2f}x "
+                  f"the sequential reference, above the bound {bound:.2f}x")
+    for schedule in schedules:
+        wins = [r for r in rows if r["schedule"] == schedule and r["speed-up"] >= 1]
+        print(f"# crossover, {schedule}: " + (
+            f"{wins[0]['tokens/mb']} tokens per micro-batch is the least work measured at which "
+            f"{p} ranks beat one process ({wins[0]['speed-up']:.2f}x)" if wins else
+            "none measured: one process was faster at every point"))
+    plot_sweep(args.plot, rows)
+    return rows
+
+
+def plot_sweep(path: str | None, rows: list[dict]) -> None:
+    if not path:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for schedule in dict.fromkeys(r["schedule"] for r in rows):
+        rs = [r for r in rows if r["schedule"] == schedule]
+        x = [r["tokens/mb"] for r in rs]
+        a.plot(x, [r["speed-up"] for r in rs], "o-", label=schedule)
+        b.plot(x, [100 * r["efficiency"] for r in rs], "o-", label=schedule)
+    a.axhline(1, color="0.5", ls=":", label="one process (all cores)")
+    a.set_ylabel("speed-up over one process, whole batch, all cores")
+    b.axhline(85, color="0.5", ls=":", label="target 85 %")
+    b.axhline(100, color="k", lw=0.8, label=f"bound p m/(m+p-1) = {rows[0]['bound']:.2f}x")
+    b.set_ylabel("efficiency: speed-up over sequential / bound (%)")
+    b.set_ylim(0, 110)
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("work per micro-batch (tokens)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"pipelining_transformer on {len(rows) and 2} ranks, m = {rows[0]['m']}: where pipelining pays",
+                 fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"# plot written to {path}")
+
+
+def point(text: str) -> tuple[int, int]:
+    try:
+        batch, seq = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a point is BATCHxSEQ (like 16x128), got {text!r}")
+    if batch < 1 or seq < 1:
+        raise argparse.ArgumentTypeError(f"a point needs a positive batch and length, got {text!r}")
+    return batch, seq
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
@@ -157,7 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", nargs=4, type=int, default=None, metavar=("DIM", "LAYERS", "HEADS", "VOCAB"),
                    help="model sizes (default: the tutorial's 512 8 8 10000; quick 256 8 8 10000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None, help="write measured vs ideal bubble here (PNG)")
+    p.add_argument("--plot", default=None, help="write measured vs ideal bubble (or the sweep) here (PNG)")
+    p.add_argument("--sweep", action="store_true",
+                   help="speed-up and efficiency against work per micro-batch (GPipe, 1F1B; m = 8)")
+    p.add_argument("--points", nargs="+", type=point, default=None, metavar="BATCHxSEQ",
+                   help="sweep points (default " + " ".join(f"{b}x{t}" for b, t in SWEEP_POINTS)
+                        + "; quick " + " ".join(f"{b}x{t}" for b, t in QUICK_SWEEP_POINTS) + ")")
     return p
 
 
@@ -170,6 +320,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.warmup < 1 or steps < args.warmup + 2:
         parser.error("--warmup must be at least 1 and --steps at least --warmup + 2")
     dim, layers, heads, vocab = args.model or ((256, 8, 8, 10000) if args.quick else (512, 8, 8, 10000))
+    if args.sweep:
+        return sweep(args, parser, (dim, layers, heads, vocab))
     common = ["--steps", str(steps), "--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len),
               "--dim", str(dim), "--n_layers", str(layers), "--n_heads", str(heads),
               "--vocab_size", str(vocab), "--seed", str(args.seed), "--device", "cpu"]

@@ -63,8 +63,28 @@ def test_bench_pipelining_transformer(capsys, tmp_path):
         assert 0 <= r["bubble"] < 1
         assert r["tokens/s"] == pytest.approx(4 * 4 * 1e3 / r["step ms"])
         assert len(r["peak MB/rank"].split(" / ")) == 2
-    # (p - 1) / (v m + p - 1): one stage per rank for GPipe, two for Interleaved1F1B
+    # from each schedule's own table with unit costs: (p - 1) / (v m + p - 1) for these two,
+    # one stage per rank for GPipe, two for Interleaved1F1B
     assert [r["ideal bubble"] for r in rows] == pytest.approx([1 / 3, 1 / 5])
+    assert plot.stat().st_size > 0
+
+
+def test_bench_pipelining_transformer_sweep(capsys, tmp_path):
+    from bench_pipelining_transformer import SWEEP_HEADER
+
+    plot = tmp_path / "sweep.png"
+    rows, out = run_bench("bench_pipelining_transformer",
+                          ["--sweep", "--quick", "--schedules", "1F1B", "--points", "4x4",
+                           "--model", "16", "2", "2", "50", "--plot", str(plot)], capsys)
+    assert [(r["schedule"], r["m"], r["batch"], r["tokens/mb"]) for r in rows] == [("1F1B", 4, "4x4", 4)]
+    assert_finite(rows, [k for k in SWEEP_HEADER if k not in ("schedule", "batch")])
+    r = rows[0]
+    assert r["bound"] == pytest.approx(2 * 4 / (4 + 2 - 1))  # p m / (m + p - 1)
+    assert r["speed-up"] == pytest.approx(r["local step ms"] / r["step ms"])
+    assert r["vs sequential"] == pytest.approx(r["sequential step ms"] / r["step ms"])
+    assert r["efficiency"] == pytest.approx(r["vs sequential"] / r["bound"])
+    assert r["ideal bubble"] == pytest.approx(1 / 5)
+    assert "# crossover, 1F1B: " in out
     assert plot.stat().st_size > 0
 
 
@@ -80,6 +100,8 @@ def test_step_seconds_drops_warmup():
     ("scripts/bench_rpc_pipeline_resnet.py", ["--shard_reps", "0"], "--shard_reps and --warmup must be at least 1"),
     ("scripts/bench_pipelining_transformer.py", ["--schedules", "nope"], "unknown schedule 'nope'"),
     ("scripts/bench_pipelining_transformer.py", ["--microbatches", "3"], "is not divisible by --n_microbatches 3"),
+    ("scripts/bench_pipelining_transformer.py", ["--sweep", "--points", "6x8"], "is not divisible by --n_microbatches 8"),
+    ("scripts/bench_pipelining_transformer.py", ["--sweep", "--points", "16"], "a point is BATCHxSEQ"),
 ])
 def test_bad_input_is_one_line_exit_2(script, argv, message):
     proc = run_cli(script, *argv, timeout=60)
