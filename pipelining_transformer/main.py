@@ -15,6 +15,8 @@ Run on one machine (spawns the processes, CPU + gloo unless a GPU per process is
 One rank per process under torchrun, as the tutorial launches it:
     torchrun --nproc_per_node 2 pipelining_transformer/main.py
     torchrun --nproc_per_node 2 pipelining_transformer/main.py --schedule ZBVZeroBubble
+See each rank's forwards, backwards and waits (DIR/timeline.png; DIR/trace.json for Perfetto):
+    python pipelining_transformer/main.py --schedule 1F1B --n_microbatches 8 --trace trace_1f1b
 The model is the tutorial's (dim 512, 8 layers, 8 heads, vocabulary 10000); the batch is
 CPU-sized (8 x 16 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell.
 

@@ -331,7 +331,8 @@ def draw(path: str | Path, spans: list[Span], p: Plan) -> Path:
         (f"planned: PyTorch's {p.schedule} table, F=1 B=2 I=1 W=1, free messages, unit = "
          f"{1e3 * unit:.1f} ms ({1e3 * p.makespan * unit:.0f} ms): ideal bubble "
          + ", ".join(f"rank {r} {b:.2f}" for r, b in enumerate(p.idle)), planned)],
-        title=f"{p.schedule}, {p.world_size} ranks, {p.n_microbatches} micro-batches", unit="ms")
+        title=f"{p.schedule}, {p.world_size} ranks, {p.n_microbatches} micro-batches",
+        unit="s" if end - start > 10 else "ms")
 
 
 def read_trace(folder: str | Path) -> list[Span]:
