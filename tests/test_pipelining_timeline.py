@@ -90,3 +90,16 @@ def test_trace_every_action_once_in_dependency_order(schedule, tmp_path):
                 assert found[step, "B", stage - 1, mb].start >= found[step, "B", stage, mb].end
     # waits were observed where the data comes from the other rank
     assert any(s.kind == "recv" and s.rank == 1 and s.stage == 1 for s in spans)
+
+
+def test_trace_into_a_file_is_refused_before_launch(tmp_path, capsys, monkeypatch):
+    import distkit
+
+    monkeypatch.setattr(distkit, "launch", lambda *a: pytest.fail("launched despite bad --trace"))
+    file = tmp_path / "not_a_dir"
+    file.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        example.main([*TINY, "--trace", str(file)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a file, not a directory" in err, err
