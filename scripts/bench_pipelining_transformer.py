@@ -177,7 +177,8 @@ def plot(path: str | None, rows: list[dict]) -> None:
 
 
 SWEEP_HEADER = ["schedule", "m", "batch", "tokens/mb", "step ms", "local step ms", "speed-up",
-                "sequential step ms", "vs sequential", "bound", "efficiency", "bubble", "ideal bubble"]
+                "sequential step ms", "vs sequential", "bound", "efficiency", "bubble", "ideal bubble",
+                "bubble/ideal"]
 # (batch size, sequence length) at m = 8: 16, 64, 128, 256, 512 tokens per micro-batch
 SWEEP_POINTS = [(8, 16), (8, 64), (16, 64), (16, 128), (32, 128)]
 QUICK_SWEEP_POINTS = [(8, 8), (8, 32)]
@@ -228,6 +229,7 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
                          "batch": f"{batch}x{seq}", "tokens/mb": batch * seq // m,
                          "sequential step ms": 1e3 * seq_s, "vs sequential": seq_s / step,
                          "bound": bound, "efficiency": seq_s / step / bound,
+                         "bubble/ideal": row["bubble"] / row["ideal bubble"],
                          "local s": local_s})
     print(format_table(SWEEP_HEADER, rows))
     for r in rows:
@@ -240,6 +242,10 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
             f"{wins[0]['tokens/mb']} tokens per micro-batch is the least work measured at which "
             f"{p} ranks beat one process ({wins[0]['speed-up']:.2f}x)" if wins else
             "none measured: one process was faster at every point"))
+        heavy = [r for r in rows if r["schedule"] == schedule][-1]
+        print(f"# {schedule} at {heavy['batch']} (the most work): {100 * heavy['efficiency']:.0f} % of "
+              f"the bound (target 85 %), bubble {heavy['bubble']:.3f} against the ideal "
+              f"{heavy['ideal bubble']:.3f} ({100 * (heavy['bubble/ideal'] - 1):+.0f} %, target within 25 %)")
     plot_sweep(args.plot, rows)
     return rows
 

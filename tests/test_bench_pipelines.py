@@ -84,6 +84,7 @@ def test_bench_pipelining_transformer_sweep(capsys, tmp_path):
     assert r["vs sequential"] == pytest.approx(r["sequential step ms"] / r["step ms"])
     assert r["efficiency"] == pytest.approx(r["vs sequential"] / r["bound"])
     assert r["ideal bubble"] == pytest.approx(1 / 5)
+    assert r["bubble/ideal"] == pytest.approx(r["bubble"] / r["ideal bubble"])
     assert "# crossover, 1F1B: " in out
     assert plot.stat().st_size > 0
 
