@@ -44,7 +44,6 @@ import torch.distributed as dist
 import distkit
 from pipelining_transformer import checkpoint
 from pipelining_transformer.model import ModelArgs, Transformer
-from pipelining_transformer.timeline import PipelineTracer
 from pipelining_transformer.parallel import (
     SCHEDULES,
     DistEnv,
@@ -54,6 +53,7 @@ from pipelining_transformer.parallel import (
     schedule_problem,
     synthetic_batch,
 )
+from pipelining_transformer.timeline import PipelineTracer
 
 log = logging.getLogger(__name__)
 
