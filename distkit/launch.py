@@ -154,6 +154,18 @@ def require_positive(parser: argparse.ArgumentParser, flag: str, value: float) -
         parser.error(f"{flag} must be a positive number, got {value}")
 
 
+def check_finite(loss: float, where: str) -> float:
+    """``loss`` if it is a finite number, else FloatingPointError naming ``where``.
+
+    A nan or inf loss poisons every parameter at the next step, and training on from there
+    prints nan and exits 0: stop the job instead (the launcher reports it, exit status 1).
+    """
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"the loss is {loss} at {where}: training diverged "
+                                 "(try a lower --lr or other sizes)")
+    return loss
+
+
 def parse_ranks(spec: str | None, world_size: int) -> list[int]:
     """``None`` -> all ranks; ``"2"`` -> [2]; ``"1-3"`` -> [1, 2, 3]."""
     if spec is None:
