@@ -142,11 +142,15 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
         trainer.set_device(device)
         # The trainers' own process group for DDP (world size = number of trainers). It
         # rendezvouses under its own key prefix in the job's store, not on RPC's keys and
-        # not on a second hard-coded port. Its timeout bounds DDP's allreduce too: a trainer
-        # whose peer hangs fails after --rpc_timeout seconds, not after the default 30 minutes.
-        dist.init_process_group(distkit.backend_for(device), store=distkit.job_store("trainers"),
-                                rank=worker.rank, world_size=trainers,
-                                timeout=timedelta(seconds=args.rpc_timeout))
+        # not on a second hard-coded port. Its timeout bounds DDP's allreduce: a trainer whose
+        # peer hangs fails after --rpc_timeout seconds, not after the default 30 minutes.
+        store = distkit.job_store("trainers")
+        # That timeout also bounds the group's rendezvous, and on a busy machine one trainer
+        # may start long after another: wait for all of them first, under the store's timeout.
+        store.set(f"started{worker.rank}", "1")
+        store.wait([f"started{r}" for r in range(trainers)])
+        dist.init_process_group(distkit.backend_for(device), store=store, rank=worker.rank,
+                                world_size=trainers, timeout=timedelta(seconds=args.rpc_timeout))
         rpc.init_rpc(f"trainer{worker.rank}", rank=worker.rank, world_size=worker.world_size,
                      rpc_backend_options=options)
         # Trainer just waits for the _run_trainer RPC from the master.
