@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -87,15 +89,39 @@ def run_master(args: argparse.Namespace) -> dict:
     log.info(f"Training on {trainers} trainers: {config}")
     start = time.perf_counter()
     # Run the training loop on trainers. timeout=0: a whole training run may take longer
-    # than --rpc_timeout; a trainer that dies ends the job through the launcher instead.
-    futs = [rpc.rpc_async(f"trainer{r}", _run_trainer, args=(remote_emb_module, r, config), timeout=0)
-            for r in range(trainers)]
+    # than --rpc_timeout; wait_for_trainers bounds the wait for a trainer that hangs instead.
+    names = [f"trainer{r}" for r in range(trainers)]
+    futs = [rpc.rpc_async(name, _run_trainer, args=(remote_emb_module, r, config), timeout=0)
+            for r, name in enumerate(names)]
     # Wait for all training to finish.
-    reports = [fut.wait() for fut in futs]
+    reports = wait_for_trainers(futs, names, args.rpc_timeout)
     seconds = time.perf_counter() - start
     emb_after = rpc.rpc_sync("ps", _embedding_weight, args=(table,))
     return {"trainers": reports, "emb_before": emb_before, "emb_after": emb_after,
             "seconds": seconds, "config": config}
+
+
+def wait_for_trainers(futs: list[torch.futures.Future], names: list[str],
+                      timeout: float) -> list:
+    """What every trainer's ``_run_trainer`` returned; raise as soon as one fails or hangs.
+
+    A trainer's error ends the wait at once (not once the trainers before it finish). A
+    trainer that stops answering (hung, not dead: the launcher cannot see it) would leave a
+    ``timeout=0`` RPC waiting forever, so each trainer still training must answer a no-op
+    RPC every second, which fails after ``timeout`` seconds.
+    """
+    changed = threading.Event()
+    for fut in futs:
+        fut.add_done_callback(lambda _: changed.set())
+    while not all(fut.done() for fut in futs):
+        changed.wait(timeout=1.0)
+        changed.clear()
+        for name, fut in zip(names, futs):
+            if fut.done():
+                fut.wait()  # raises that trainer's error, if it had one
+            else:
+                rpc.rpc_sync(name, time.monotonic, timeout=timeout)
+    return [fut.wait() for fut in futs]
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
@@ -116,9 +142,15 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
         trainer.set_device(device)
         # The trainers' own process group for DDP (world size = number of trainers). It
         # rendezvouses under its own key prefix in the job's store, not on RPC's keys and
-        # not on a second hard-coded port.
-        dist.init_process_group(distkit.backend_for(device), store=distkit.job_store("trainers"),
-                                rank=worker.rank, world_size=trainers)
+        # not on a second hard-coded port. Its timeout bounds DDP's allreduce: a trainer whose
+        # peer hangs fails after --rpc_timeout seconds, not after the default 30 minutes.
+        store = distkit.job_store("trainers")
+        # That timeout also bounds the group's rendezvous, and on a busy machine one trainer
+        # may start long after another: wait for all of them first, under the store's timeout.
+        store.set(f"started{worker.rank}", "1")
+        store.wait([f"started{r}" for r in range(trainers)])
+        dist.init_process_group(distkit.backend_for(device), store=store, rank=worker.rank,
+                                world_size=trainers, timeout=timedelta(seconds=args.rpc_timeout))
         rpc.init_rpc(f"trainer{worker.rank}", rank=worker.rank, world_size=worker.world_size,
                      rpc_backend_options=options)
         # Trainer just waits for the _run_trainer RPC from the master.

@@ -25,6 +25,8 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import distkit
+
 log = logging.getLogger(__name__)
 
 NUM_EMBEDDINGS = 100
@@ -105,6 +107,34 @@ def get_next_batch(rank: int, config: TrainConfig,
         yield indices, offsets, target
 
 
+class SerializedSGD(optim.SGD):
+    """Plain SGD, under a name ``DistributedOptimizer`` has no functional version of.
+
+    Every trainer's ``DistributedOptimizer`` steps the same embedding table on the parameter
+    server, each from its own RPC thread. For ``optim.SGD`` itself ``DistributedOptimizer``
+    uses a functional optimizer whose step holds no lock (torch 2.14.1), so two in-place
+    updates of the table can interleave and one of them is lost. For any other class it
+    falls back to a local optimizer that serialises the steps on each worker, as its
+    documentation promises ("concurrent calls to step ... will be serialized on each
+    worker"). Same maths, no lost update; tests/test_ddp_rpc.py catches one.
+    """
+
+
+class _NoFunctionalWarning(logging.Filter):
+    """Hide DistributedOptimizer's advice to use a functional optimizer: that is the racy one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "without a functional optimizer" not in record.getMessage()
+
+
+logging.getLogger("torch.distributed.optim.optimizer").addFilter(_NoFunctionalWarning())
+
+
+def distributed_sgd(parameter_rrefs: list[RRef], lr: float) -> DistributedOptimizer:
+    """The trainers' optimizer: SGD on every parameter, where it lives, steps never overlapping."""
+    return DistributedOptimizer(SerializedSGD, parameter_rrefs, lr=lr)
+
+
 def _fc_state(model: HybridModel) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.fc.module.state_dict().items()}
 
@@ -131,8 +161,9 @@ def _run_trainer(remote_emb_module: RemoteModule, rank: int, config: TrainConfig
         model_parameter_rrefs.append(RRef(param))
 
     # SGD is stateless, so this trainer's step on the parameter server simply adds
-    # -lr * (this trainer's gradient) to the table; the other trainer's step adds its own.
-    opt = DistributedOptimizer(optim.SGD, model_parameter_rrefs, lr=config.lr)
+    # -lr * (this trainer's gradient) to the table; the other trainer's step adds its own
+    # (one after the other: see SerializedSGD).
+    opt = distributed_sgd(model_parameter_rrefs, config.lr)
     criterion = torch.nn.CrossEntropyLoss()
 
     for epoch in range(config.epochs):
@@ -147,7 +178,7 @@ def _run_trainer(remote_emb_module: RemoteModule, rank: int, config: TrainConfig
                 dist_autograd.backward(context_id, [loss])
                 # Run distributed optimizer: fc here, the embedding table on the server
                 opt.step(context_id)
-            epoch_losses.append(loss.item())
+            epoch_losses.append(distkit.check_finite(loss.item(), f"trainer{rank}, epoch {epoch}"))
         report.losses.append(epoch_losses)
         log.info(f"Training done for epoch {epoch}: loss {sum(epoch_losses) / len(epoch_losses):.4f}")
     report.fc_after = _fc_state(model)

@@ -8,6 +8,7 @@ from .launch import (
     ArgumentParser,
     Worker,
     add_launch_args,
+    check_finite,
     check_launch_args,
     cleanup,
     job_store,
@@ -18,7 +19,7 @@ from .launch import (
 )
 
 __all__ = [
-    "ArgumentParser", "Worker", "add_launch_args", "backend_for", "check_launch_args",
+    "ArgumentParser", "Worker", "add_launch_args", "backend_for", "check_finite", "check_launch_args",
     "cleanup", "gpu_count", "job_store", "launch", "parse_ranks", "pick_device", "require_positive",
     "threads_per_process", "under_torchrun",
 ]

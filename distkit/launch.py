@@ -86,11 +86,12 @@ def under_torchrun() -> bool:
 
 
 def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None,
-                    rpc_timeout: float | None = None) -> None:
+                    rpc_timeout: float | None = None, device: bool = True) -> None:
     """The flags every example shares. ``world_size=None``: torchrun or --world_size decides.
 
     ``rpc_timeout`` (seconds), for the RPC examples, becomes the ``--rpc_timeout`` default:
-    no RPC waits longer for a peer that is gone.
+    no RPC waits longer for a peer that is gone. ``device=False``: no ``--device`` flag, for
+    an example that runs on the CPU whatever is there (it would be a flag that does nothing).
     """
     g = parser.add_argument_group("launch")
     if rpc_timeout is not None:
@@ -108,8 +109,11 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None,
                    help="rendezvous port on the master (default: a free one chosen by the OS)")
     g.add_argument("--ranks", default=None, metavar="A-B",
                    help="ranks this machine runs, for a run over several machines (default: all)")
-    g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
-                   help="auto uses CUDA (and NCCL) where enough GPUs are visible, else CPU (and gloo)")
+    if device:
+        g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                       help="auto uses CUDA (and NCCL) where enough GPUs are visible, else CPU (and gloo)")
+    else:
+        parser.set_defaults(device="cpu")
     g.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per process (default: this machine's cores / its processes)")
 
@@ -152,6 +156,18 @@ def require_positive(parser: argparse.ArgumentParser, flag: str, value: float) -
     """
     if not (math.isfinite(value) and value > 0):
         parser.error(f"{flag} must be a positive number, got {value}")
+
+
+def check_finite(loss: float, where: str) -> float:
+    """``loss`` if it is a finite number, else FloatingPointError naming ``where``.
+
+    A nan or inf loss poisons every parameter at the next step, and training on from there
+    prints nan and exits 0: stop the job instead (the launcher reports it, exit status 1).
+    """
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"the loss is {loss} at {where}: training diverged "
+                                 "(try a lower --lr or other sizes)")
+    return loss
 
 
 def parse_ranks(spec: str | None, world_size: int) -> list[int]:

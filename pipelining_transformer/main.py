@@ -210,7 +210,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
         pp.optimizer_step()
         if mb_losses is not None:
             # equal micro-batches: the mean of their mean losses is the batch's mean loss
-            losses.append(torch.stack(mb_losses).mean().item())
+            losses.append(distkit.check_finite(torch.stack(mb_losses).mean().item(), f"step {step + 1}"))
             log.info(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}")
             if loss_log is not None:
                 # one write of a whole line, flushed: a killed run leaves only whole lines

@@ -56,12 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def final_feature_size(image_size: int) -> int:
-    """Height (= width) of layer4's output: conv1, maxpool and layers 2-4 each halve, rounding up."""
+def feature_size(image_size: int, halvings: int) -> int:
+    """Height (= width) after conv1, maxpool, layer2, layer3, layer4 (in that order, each
+    halving and rounding up) have run ``halvings`` of them."""
     size = image_size
-    for _ in range(5):
+    for _ in range(halvings):
         size = (size - 1) // 2 + 1
     return size
+
+
+def final_feature_size(image_size: int) -> int:
+    """Height (= width) of layer4's output."""
+    return feature_size(image_size, 5)
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -76,11 +82,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if not 1 <= n <= args.batch_size:
             parser.error(f"--splits values must be in 1..{args.batch_size} (--batch_size), got {n}")
     smallest = args.batch_size // max(args.splits)
-    side = final_feature_size(args.image_size)
-    if smallest * side * side < 2:
-        # BatchNorm in training mode needs two values per channel to compute a variance
+    in_layer3 = smallest * feature_size(args.image_size, 4) ** 2
+    in_layer4 = smallest * final_feature_size(args.image_size) ** 2
+    if in_layer3 < 4 or in_layer4 < 2:
+        # BatchNorm in training mode normalises each channel over the micro-batch's values: one
+        # value has no variance, and with two in layer3 and again in layer4 the gradients blow
+        # up and the loss turns nan (batch 16, 8x8 images, 8 splits; tests/test_rpc_pipeline_resnet.py)
         parser.error(f"micro-batches of {smallest} image(s) of {args.image_size}x{args.image_size} "
-                     f"give BatchNorm one value per channel; use --image_size >= 33 or fewer splits")
+                     f"give BatchNorm {in_layer3} value(s) per channel in layer3 and {in_layer4} in "
+                     f"layer4 (training needs 4 and 2); use a larger --image_size or fewer splits")
     if args.device == "cuda" and args.ranks is None and distkit.gpu_count() == 0:
         parser.error("--device cuda was asked for, but no CUDA device is visible")
 
@@ -90,8 +100,12 @@ def worker_cpu_times() -> list[float]:
     return [rpc.rpc_sync(name, time.process_time) for name in WORKERS]
 
 
-def run_master(num_split: int, args: argparse.Namespace) -> dict:
-    """Train a fresh DistResNet50 for --num_batches batches cut into ``num_split`` micro-batches."""
+def run_master(num_split: int, args: argparse.Namespace, states: bool = False) -> dict:
+    """Train a fresh DistResNet50 for --num_batches batches cut into ``num_split`` micro-batches.
+
+    ``states``: also return both shards' weights and BatchNorm statistics before the first
+    batch and after the last (CPU copies: what tests compare with one process).
+    """
     # each worker picks its shard's device itself: it knows its own GPUs (shard i gets
     # cuda:i with two GPUs, both share cuda:0 with one, CPU with none or --device cpu)
     devices = [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i))
@@ -100,6 +114,7 @@ def run_master(num_split: int, args: argparse.Namespace) -> dict:
     model = DistResNet50(num_split, WORKERS, devices, num_classes=args.num_classes)
     loss_fn = nn.MSELoss()
     opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=args.lr)
+    before = model.shard_states() if states else None
 
     # the same seeded data for every num_split, so the runs differ only in pipelining
     gen = torch.Generator().manual_seed(args.seed)
@@ -123,10 +138,13 @@ def run_master(num_split: int, args: argparse.Namespace) -> dict:
         if timed:
             batch_times.append(time.perf_counter() - tik)
             cpu_times = [t + b - a for t, a, b in zip(cpu_times, cpu_before, worker_cpu_times())]
-        losses.append(loss.item())
+        losses.append(distkit.check_finite(loss.item(), f"batch {i} with {num_split} splits"))
     log.info(f"number of splits = {num_split}, execution time = {sum(batch_times)}")
-    return {"num_split": num_split, "time": sum(batch_times), "losses": losses,
-            "batch_times": batch_times, "cpu_times": cpu_times, "devices": [str(d) for d in devices]}
+    result = {"num_split": num_split, "time": sum(batch_times), "losses": losses,
+              "batch_times": batch_times, "cpu_times": cpu_times, "devices": [str(d) for d in devices]}
+    if states:
+        result |= {"before": before, "after": model.shard_states()}
+    return result
 
 
 def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOptions:

@@ -119,6 +119,11 @@ class ResNetShard2(ResNetBase):
         return out.cpu()
 
 
+def _state_copy(module_rref: RRef) -> dict[str, torch.Tensor]:
+    """Runs on the shard's owner: a CPU copy of its weights and BatchNorm statistics."""
+    return {k: v.detach().cpu().clone() for k, v in module_rref.local_value().state_dict().items()}
+
+
 def _set_training(module_rref: RRef, mode: bool) -> None:
     """Runs on the shard's owner. Returns nothing: a shard (it holds a lock) cannot be pickled."""
     module_rref.local_value().train(mode)
@@ -172,3 +177,7 @@ class DistResNet50(nn.Module):
         remote_params.extend(self.p1_rref.remote().parameter_rrefs().to_here())
         remote_params.extend(self.p2_rref.remote().parameter_rrefs().to_here())
         return remote_params
+
+    def shard_states(self) -> list[dict[str, torch.Tensor]]:
+        """CPU copies of both shards' state dicts, fetched from their workers."""
+        return [rpc.rpc_sync(r.owner(), _state_copy, args=(r,)) for r in (self.p1_rref, self.p2_rref)]

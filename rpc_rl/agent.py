@@ -17,6 +17,8 @@ import torch.optim as optim
 from torch.distributed.rpc import RRef, remote
 from torch.distributions import Categorical
 
+import distkit
+
 AGENT_NAME = "agent"
 OBSERVER_NAME = "obs{}"
 ENV_NAME = "CartPole-v1"
@@ -153,9 +155,10 @@ class Agent:
         returns_t = torch.cat(returns)
         returns_t = (returns_t - returns_t.mean()) / (returns_t.std() + self.eps)
         policy_loss = torch.cat([-log_prob * R for log_prob, R in zip(probs, returns_t)]).sum()
+        # before the step: a nan here would turn every weight of the policy into nan
+        self.last_loss = distkit.check_finite(policy_loss.item(), "the end of an episode")
         self.optimizer.zero_grad()
         policy_loss.backward()
         self.optimizer.step()
-        self.last_loss = policy_loss.item()
         return float(min_reward)
 

@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="load a saved policy and play --play_episodes episodes here, no RPC")
     parser.add_argument("--play_episodes", type=int, default=5, metavar="N",
                         help="episodes to play with --play")
-    distkit.add_launch_args(parser, world_size=2, rpc_timeout=60)
+    # no --device: the policy (4 -> 128 -> 2) answers one state at a time, which a GPU would
+    # only slow down, and the observers' environments run on the CPU anyway
+    distkit.add_launch_args(parser, world_size=2, rpc_timeout=60, device=False)
     return parser
 
 

@@ -18,13 +18,18 @@ def save_policy(policy: Policy, path: str, **info: object) -> None:
 
 
 def load_policy(path: str) -> Policy:
-    """Raises ValueError with a readable reason when ``path`` holds no policy."""
+    """Raises ValueError, one line, when ``path`` holds no policy.
+
+    The reason is left out: for a file that is not a tensor file at all, torch.load's
+    message runs over several lines and advises loading with ``weights_only=False``, which
+    would run whatever code the file holds.
+    """
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         policy = Policy()
         policy.load_state_dict(saved["policy"])
-    except Exception as e:  # unpickling errors, missing keys, wrong shapes all mean the same
-        raise ValueError(f"{path} is not a saved rpc_rl policy ({type(e).__name__}: {e})") from None
+    except Exception:  # unpickling errors, missing keys, wrong shapes all mean the same
+        raise ValueError(f"{path} is not a saved rpc_rl policy") from None
     return policy.eval()
 
 

@@ -94,10 +94,15 @@ def get_next_batch(stream: torch.Tensor, seq_len: int) -> Iterator[tuple[torch.T
         yield data, stream[start + 1:start + 1 + len(data)]
 
 
-def run_trainer(args: argparse.Namespace) -> list[float]:
-    """The training loop (runs on the trainer); returns the mean loss of every epoch."""
+def run_trainer(args: argparse.Namespace) -> dict:
+    """The training loop (runs on the trainer).
+
+    Returns the mean loss of every epoch, and every parameter before and after training
+    (what tests compare with one process training the same model).
+    """
     model = RNNModel(PS_NAME, args.ntoken, args.ninp, args.nhid, args.nlayers,
-                     args.dropout, args.device)
+                     args.dropout, args.device, seed=args.seed)
+    initial = model.parameter_copies()
     # one local SGD per parameter owner: one on ps (embedding, decoder), one here (LSTM)
     opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=args.lr)
     criterion = nn.CrossEntropyLoss()
@@ -123,16 +128,17 @@ def run_trainer(args: argparse.Namespace) -> list[float]:
                 opt.step(context_id)
                 # no zero_grad(): gradients are not accumulated into .grad but into this
                 # context, on every worker involved, and each iteration opens a new context.
-            total, n = total + loss.item(), n + 1
+            total, n = total + distkit.check_finite(loss.item(), f"epoch {epoch}"), n + 1
         losses.append(total / n)
         log.info(f"Training epoch {epoch}\tloss {losses[-1]:.4f}\t"
                  f"({time.perf_counter() - start:.2f} s)")
-    return losses
+    return {"losses": losses, "initial": initial, "final": model.parameter_copies()}
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     """Rank 0 serves as the parameter server; rank 1 trains."""
-    # the ps draws the embedding/decoder weights and their dropout masks, the trainer the LSTM's
+    # the ps draws the dropout masks of the embedding and the decoder (their weights come from
+    # their own seeds, see rnn._uniform_), the trainer the LSTM's weights and dropout
     torch.manual_seed(args.seed)
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
     if worker.rank == 0:
@@ -142,10 +148,10 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
         return None
     rpc.init_rpc(TRAINER_NAME, rank=worker.rank, world_size=worker.world_size,
                  rpc_backend_options=options)
-    losses = run_trainer(args)
+    result = run_trainer(args)
     # block until all rpcs finish
     rpc.shutdown()
-    return {"losses": losses}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,13 +41,31 @@ def _parameter_rrefs(module: nn.Module) -> list[RRef]:
     return [RRef(param) for param in module.parameters()]
 
 
+def _parameter_copies(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of every parameter of ``module`` (runs on the owner)."""
+    return {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
+
+
+def _uniform_(weight: torch.Tensor, seed: int | None) -> None:
+    """U(-0.1, 0.1), the tutorial's init, from ``seed``'s own generator when one is given.
+
+    The trainer creates both remote modules with asynchronous ``rpc.remote`` calls, which
+    the parameter server runs on whichever RPC threads pick them up first: drawn from its
+    global generator, the two modules' weights would depend on that thread order.
+    """
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        weight.uniform_(-0.1, 0.1, generator=gen)
+
+
 class EmbeddingTable(nn.Module):
     """Encoding layer of the RNNModel; created on the parameter server by ``rpc.remote``.
 
     The embedding sits on the parameter server's GPU when it has one, on its CPU otherwise.
     """
 
-    def __init__(self, ntoken: int, ninp: int, dropout: float, device: str = "auto") -> None:
+    def __init__(self, ntoken: int, ninp: int, dropout: float, device: str = "auto",
+                 seed: int | None = None) -> None:
         super().__init__()
         # This constructor runs on the parameter server, so the GPU it finds is the server's
         # own, not the trainer's.
@@ -55,7 +73,7 @@ class EmbeddingTable(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.encoder = nn.Embedding(ntoken, ninp)
         # initialised before the move, so a seed gives the same weights on CPU and GPU
-        self.encoder.weight.data.uniform_(-0.1, 0.1)
+        _uniform_(self.encoder.weight, seed)
         self.encoder.to(self.device)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -66,12 +84,12 @@ class EmbeddingTable(nn.Module):
 class Decoder(nn.Module):
     """Output layer of the RNNModel (LSTM state -> token scores); lives on the parameter server."""
 
-    def __init__(self, ntoken: int, nhid: int, dropout: float) -> None:
+    def __init__(self, ntoken: int, nhid: int, dropout: float, seed: int | None = None) -> None:
         super().__init__()
         self.drop = nn.Dropout(dropout)
         self.decoder = nn.Linear(nhid, ntoken)
         self.decoder.bias.data.zero_()
-        self.decoder.weight.data.uniform_(-0.1, 0.1)
+        _uniform_(self.decoder.weight, seed)
 
     def forward(self, output: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.drop(output))
@@ -84,14 +102,14 @@ class RNNModel(nn.Module):
     """
 
     def __init__(self, ps: str, ntoken: int, ninp: int, nhid: int, nlayers: int,
-                 dropout: float = 0.5, device: str = "auto") -> None:
+                 dropout: float = 0.5, device: str = "auto", seed: int = 0) -> None:
         super().__init__()
-        # setup embedding table remotely
-        self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout, device))
+        # setup embedding table remotely (each remote module gets its own seed: see _uniform_)
+        self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout, device, seed))
         # setup LSTM locally (its dropout acts between layers only, so none with one layer)
         self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout if nlayers > 1 else 0.0)
         # setup decoder remotely
-        self.decoder_rref = rpc.remote(ps, Decoder, args=(ntoken, nhid, dropout))
+        self.decoder_rref = rpc.remote(ps, Decoder, args=(ntoken, nhid, dropout, seed + 1))
 
     def forward(self, input: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -112,3 +130,9 @@ class RNNModel(nn.Module):
         # get RRefs of decoder
         remote_params.extend(_remote_method(_parameter_rrefs, self.decoder_rref))
         return remote_params
+
+    def parameter_copies(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of every parameter, remote or local, named as in a one-process model."""
+        copies = _remote_method(_parameter_copies, self.emb_table_rref)  # encoder.weight
+        copies |= {f"rnn.{k}": v for k, v in _parameter_copies(self.rnn).items()}
+        return copies | _remote_method(_parameter_copies, self.decoder_rref)  # decoder.*

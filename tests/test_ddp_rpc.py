@@ -3,14 +3,22 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
+import threading
+import time
 
 import pytest
 import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 import torch.nn.functional as F
+from torch.distributed.nn import RemoteModule
 
 import distkit
 from conftest import run_cli, run_torchrun
 from ddp_rpc.main import build_parser, check_args, main, run_worker
+from ddp_rpc import trainer
+from ddp_rpc.trainer import _embedding_weight
 from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch
 
 MASTER = 2  # ranks 0 and 1 train, 2 is the master, 3 the parameter server
@@ -142,3 +150,94 @@ def test_bad_values_rejected_before_launch(argv, message, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert err.count("\n") == 1 and message in err, err
+
+
+# ---- concurrent steps on the parameter server lose no update ----
+
+ROWS, DIM, CLIENTS, STEPS = 1000, 256, 8, 25  # a 1 MB table: an update takes long enough to overlap
+
+
+def _zeroed_weight(module_rref) -> torch.Tensor:
+    """On the parameter server: zero the table (exact sums below), return a copy."""
+    weight = module_rref.local_value().weight
+    with torch.no_grad():
+        weight.zero_()
+    return weight.detach().clone()
+
+
+class OverlapWatch:
+    """Wraps torch's SGD update on the parameter server: counts updates running at once.
+
+    Whether two unserialised in-place updates really interleave (and lose one) depends on
+    thread timing; a short sleep inside every update makes unserialised ones overlap for sure.
+    """
+
+    def __init__(self) -> None:
+        self.lock, self.inside, self.most = threading.Lock(), 0, 0
+
+    def wrap(self, real):
+        def sgd(*args, **kwargs):
+            with self.lock:
+                self.inside += 1
+                self.most = max(self.most, self.inside)
+            try:
+                time.sleep(0.002)
+                return real(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.inside -= 1
+        return sgd
+
+
+WATCH = OverlapWatch()
+
+
+def _most_updates_at_once() -> int:
+    return WATCH.most
+
+
+def _many_trainers_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    """Rank 1 is the parameter server; rank 0 runs CLIENTS trainer threads, each with its own
+    DistributedOptimizer (as every trainer of the example has), stepping one shared table."""
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=60)
+    if worker.rank == 1:
+        # both paths DistributedOptimizer may take: the functional SGD and optim.SGD's step
+        for name in ("torch.optim._functional", "torch.optim.sgd"):
+            module = importlib.import_module(name)
+            module.sgd = WATCH.wrap(module.sgd)
+        rpc.init_rpc("ps", rank=1, world_size=2, rpc_backend_options=options)
+        rpc.shutdown()
+        return None
+    rpc.init_rpc("trainer0", rank=0, world_size=2, rpc_backend_options=options)
+    table = RemoteModule("ps", torch.nn.EmbeddingBag, args=(ROWS, DIM), kwargs={"mode": "sum"})
+    rpc.rpc_sync("ps", _zeroed_weight, args=(table.get_module_rref(),))
+    # one bag of every row, loss = its sum: every step's gradient is exactly 1 everywhere,
+    # whatever the table holds, so the table must end at exactly -lr * CLIENTS * STEPS
+    indices, offsets = torch.arange(ROWS), torch.tensor([0])
+
+    def trainer_thread() -> None:
+        opt = trainer.distributed_sgd(table.remote_parameters(), lr=1.0)
+        for _ in range(STEPS):
+            with dist_autograd.context() as context_id:
+                dist_autograd.backward(context_id, [table.forward(indices, offsets).sum()])
+                opt.step(context_id)
+
+    threads = [threading.Thread(target=trainer_thread) for _ in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = rpc.rpc_sync("ps", _embedding_weight, args=(table.get_module_rref(),))
+    most = rpc.rpc_sync("ps", _most_updates_at_once)
+    rpc.shutdown()
+    return {"after": after, "most_at_once": most}
+
+
+def test_concurrent_optimizer_steps_on_the_table_lose_no_update():
+    args = make_args("--threads", "1")
+    args.world_size = 2  # a trainer process and the parameter server
+    out = distkit.launch(_many_trainers_worker, args)[0]
+    assert out["most_at_once"] == 1, f"{out['most_at_once']} updates of the table ran at once"
+    after = out["after"]
+    lost = int((after != -float(CLIENTS * STEPS)).sum())
+    assert lost == 0, f"{lost} of {after.numel()} table entries lost an update"

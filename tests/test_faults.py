@@ -36,6 +36,9 @@ class Example:
     quick: tuple[str, ...]       # a run that finishes in seconds, exit status 0
     fault_rank: int              # the rank whose code is made to raise
     fault_target: str            # "module:attribute.path" that raises on its 2nd call
+    hung_rank: int | None = None  # a rank the driving rank waits on: SIGSTOPped, it must time out
+    driver: int = 0              # the rank that then reports the failure
+    diverge: tuple[str, ...] = ()  # flags that make the loss non-finite (quick run + these)
 
 
 EXAMPLES = {
@@ -43,29 +46,32 @@ EXAMPLES = {
         ("rpc_rl/main.py", "--world_size", "3", "--max_episodes", "100000", "--log_interval", "1"),
         r"Episode 1\t",
         ("rpc_rl/main.py", "--world_size", "2", "--reward_threshold", "0.5"),
-        0, "rpc_rl.agent:Agent.finish_episode"),
+        0, "rpc_rl.agent:Agent.finish_episode", hung_rank=2, driver=0),
     "ddp_rpc": Example(
         ("ddp_rpc/main.py", "--epochs", "100000", "--batches_per_epoch", "2", "--batch_size", "4"),
         r"loss",
         ("ddp_rpc/main.py", "--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "4"),
-        0, "torch.distributed.autograd:backward"),
+        0, "torch.distributed.autograd:backward", hung_rank=1, driver=2,
+        diverge=("--lr", "1e30", "--epochs", "3", "--batches_per_epoch", "2")),
     "rpc_rnn": Example(
         ("rpc_rnn/main.py", "--epochs", "100000", "--batches", "2"),
         r"loss",
         ("rpc_rnn/main.py", "--epochs", "1", "--batches", "2"),
-        1, "torch.distributed.autograd:backward"),
+        1, "torch.distributed.autograd:backward", hung_rank=0, driver=1,
+        diverge=("--lr", "3e38", "--batches", "3")),
     "rpc_pipeline_resnet": Example(
         ("rpc_pipeline_resnet/main.py", "--batch_size", "4", "--image_size", "32", "--splits", "2",
          "--num_batches", "100000"),
         r"Processing batch",
         ("rpc_pipeline_resnet/main.py", "--batch_size", "4", "--image_size", "32", "--splits", "2",
          "--num_batches", "1"),
-        0, "torch.distributed.autograd:backward"),
+        0, "torch.distributed.autograd:backward", hung_rank=2, driver=0),
     "pipelining_transformer": Example(
         ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "100000"),
         r"step 1/",
         ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "4"),
-        1, "pipelining_transformer.parallel:PipelineRank.optimizer_step"),
+        1, "pipelining_transformer.parallel:PipelineRank.optimizer_step",
+        diverge=("--lr", "1e30")),
 }
 
 
@@ -281,16 +287,18 @@ def test_four_runs_at_once_all_succeed(example):
 
 
 @pytest.mark.timeout(300)
-def test_lost_rpc_peer_times_out_instead_of_hanging():
-    # an observer that stops answering (SIGSTOP, not dead: the launcher cannot see it)
-    job = Job(("rpc_rl/main.py", "--world_size", "3", "--max_episodes", "100000",
-               "--log_interval", "1", "--rpc_timeout", "5"))
+@pytest.mark.parametrize("name", [n for n, ex in sorted(EXAMPLES.items()) if ex.hung_rank is not None])
+def test_lost_rpc_peer_times_out_instead_of_hanging(name):
+    # a peer that stops answering (SIGSTOP, not dead: the launcher cannot see it); every RPC
+    # to it, DDP's allreduce with it (ddp_rpc) and the master's wait (ddp_rpc) are bounded
+    ex = EXAMPLES[name]
+    job = Job((*ex.argv, "--rpc_timeout", "5"))
     try:
-        job.wait_for(r"Episode 1\t")
+        job.wait_for(ex.ready)
         workers = job.workers()
-        os.kill(workers[-1], signal.SIGSTOP)
+        os.kill(workers[ex.hung_rank], signal.SIGSTOP)
         assert job.finish(timeout=90) == 1
-        assert re.search(r"rank 0 failed", job.text()), job.text()
+        assert f"rank {ex.driver} failed" in job.text(), job.text()
         assert_all_gone(workers, within=10)
     finally:
         job.kill()
@@ -303,12 +311,31 @@ def test_rpc_examples_have_a_bounded_rpc_timeout(name):
 
 
 @pytest.mark.timeout(300)
-def test_sigkilled_launcher_takes_its_workers_along():
-    job = Job(EXAMPLES["rpc_rl"].argv)
+def test_sigkilled_launcher_takes_its_workers_along(example):
+    # workers busy computing or in a collective never touch the store: the parent-death
+    # signal (distkit.launch._die_with_parent) is what ends them
+    name, ex = example
+    job = Job(ex.argv)
     try:
-        job.wait_for(EXAMPLES["rpc_rl"].ready)
+        job.wait_for(ex.ready)
         workers = job.workers()
-        job.proc.kill()  # no cleanup runs: losing the store, and the parent-death signal, end them
+        job.proc.kill()  # no cleanup runs in the launcher
         assert_all_gone(workers, within=10)
     finally:
         job.kill()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [n for n, ex in sorted(EXAMPLES.items()) if ex.diverge])
+def test_non_finite_loss_ends_the_run(name, capfd):
+    # rpc_rl and rpc_pipeline_resnet: tests/test_rpc_rl.py, tests/test_rpc_pipeline_resnet.py
+    ex = EXAMPLES[name]
+    module = importlib.import_module(f"{name}.main")
+    parser = module.build_parser()
+    args = parser.parse_args([*ex.quick[1:], *ex.diverge])
+    module.check_args(parser, args)
+    with pytest.raises(SystemExit) as exc:
+        distkit.launch(module.run_worker, args)
+    assert exc.value.code == 1
+    err = capfd.readouterr().err
+    assert re.search(r"FloatingPointError: the loss is (nan|inf|-inf) at ", err), err

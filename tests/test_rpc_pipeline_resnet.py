@@ -7,6 +7,7 @@ copies of the shards built from the same initial weights.
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from torch.distributed.rpc import RRef
 import distkit
 from conftest import run_cli, run_torchrun
 from rpc_pipeline_resnet.main import (WORKERS, build_parser, check_args, final_feature_size,
-                                      main, rpc_backend_options, run_worker)
+                                      main, rpc_backend_options, run_master, run_worker)
 from rpc_pipeline_resnet.model import DistResNet50, ResNetShard1, ResNetShard2
 
 NUM_CLASSES, BATCH = 10, 7
@@ -172,6 +173,59 @@ def test_eval_forward_matches_shards_in_one_process(job, k, one_thread):
     torch.testing.assert_close(job["eval"][k], expected, **TOL)
 
 
+def _run_master_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    """The example's run_worker on the shard hosts; on rank 0 its run_master, with states."""
+    if worker.rank != 0:
+        return run_worker(worker, args)
+    rpc.init_rpc("master", rank=0, world_size=worker.world_size,
+                 rpc_backend_options=rpc_backend_options(args))
+    result = run_master(TRAIN_SPLIT, args, states=True)
+    rpc.shutdown()
+    return result
+
+
+def test_run_master_matches_single_process_training(one_thread):
+    """run_master (context, backward, DistributedOptimizer step) for a warm-up batch and a
+    timed one, against the same two SGD steps of the two shards in one process."""
+    args = make_args("--world_size", "3", "--threads", "1", "--batch_size", str(BATCH),
+                     "--image_size", str(IMAGE), "--num_classes", str(NUM_CLASSES),
+                     "--splits", str(TRAIN_SPLIT), "--warmup", "1", "--num_batches", "1",
+                     "--lr", str(LR), "--seed", "3")
+    out = distkit.launch(_run_master_worker, args)[0]
+    s1, s2 = local_shards(out["before"])
+    opt = optim.SGD([*s1.parameters(), *s2.parameters()], lr=LR)
+    # the data as run_master draws it
+    gen = torch.Generator().manual_seed(args.seed)
+    one_hot_indices = torch.randint(0, NUM_CLASSES, (BATCH, 1), generator=gen)
+    losses = []
+    for _ in range(2):
+        inputs = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=gen)
+        labels = torch.zeros(BATCH, NUM_CLASSES).scatter_(1, one_hot_indices, 1)
+        loss = nn.MSELoss()(local_forward(s1, s2, inputs, TRAIN_SPLIT), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    torch.testing.assert_close(out["losses"], losses, **TOL)
+    for shard, after, before in zip((s1, s2), out["after"], out["before"]):
+        for name, value in shard.state_dict().items():  # weights and BatchNorm statistics
+            torch.testing.assert_close(after[name], value, **TOL, msg=lambda m: f"{name}: {m}")
+        assert not torch.equal(after["seq.0.weight" if shard is s1 else "fc.weight"],
+                               before["seq.0.weight" if shard is s1 else "fc.weight"])
+
+
+def test_a_diverging_run_stops_with_an_error(capfd):
+    """A loss that turns non-finite ends the job (exit 1) naming the batch, not a printed nan."""
+    args = make_args("--world_size", "3", "--threads", "1", "--batch_size", "4",
+                     "--image_size", "32", "--num_classes", "10", "--splits", "2",
+                     "--warmup", "0", "--num_batches", "2", "--lr", "1e30")
+    with pytest.raises(SystemExit) as exit_info:
+        distkit.launch(run_worker, args)
+    assert exit_info.value.code == 1
+    err = capfd.readouterr().err
+    assert re.search(r"FloatingPointError: the loss is (nan|inf) at batch \d with 2 splits", err), err
+
+
 def test_final_feature_size_matches_the_model():
     s1, s2 = ResNetShard1("cpu", num_classes=2).eval(), ResNetShard2("cpu", num_classes=2).eval()
     with torch.no_grad():
@@ -208,7 +262,9 @@ BAD_INPUT = [
     (["--warmup", "-1"], "--warmup must be at least 0"),
     (["--lr", "0"], "--lr must be a positive number"),
     (["--lr", "nan"], "--lr must be a positive number"),
-    (["--batch_size", "4", "--image_size", "32", "--splits", "4"], "give BatchNorm one value"),
+    (["--batch_size", "4", "--image_size", "32", "--splits", "4"],
+     "give BatchNorm 4 value(s) per channel in layer3 and 1"),
+    (["--image_size", "8", "--splits", "8"], "give BatchNorm 2 value(s) per channel in layer3 and 2"),
     (["--world_size", "2"], "--world_size must be at least 3"),
     (["--splits"], "expected at least one argument"),
 ]
@@ -224,7 +280,7 @@ def test_bad_input_is_rejected_before_launch(argv, message, capsys, monkeypatch)
     assert err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("argv, message", [BAD_INPUT[0], BAD_INPUT[-3]])
+@pytest.mark.parametrize("argv, message", [BAD_INPUT[0], BAD_INPUT[-4]])
 def test_bad_input_cli_is_one_line_exit_2(argv, message):
     proc = run_cli("rpc_pipeline_resnet/main.py", *argv, timeout=60)
     assert proc.returncode == 2

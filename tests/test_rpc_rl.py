@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.rpc as rpc
+import torch.nn.functional as F
 from torch.distributions import Categorical
 
 import distkit
 from conftest import run_cli, run_torchrun
 from rpc_rl.agent import AGENT_NAME, Agent, Policy, discounted_returns
-from rpc_rl.batched import BatchAgent
+from rpc_rl.batched import BatchAgent, BatchObserver
 from rpc_rl.main import build_parser, check_args, run_worker
 from rpc_rl.play import load_policy, play, save_policy
 
@@ -96,7 +97,7 @@ def _bookkeeping_worker(worker: distkit.Worker, args: argparse.Namespace) -> dic
 
 
 @pytest.mark.parametrize("argv", [("--world_size", "3"), ("--world_size", "5", "--batch")])
-def test_observers_report_every_step_and_policy_learns(argv):
+def test_observers_report_every_step_and_every_parameter_moves(argv):
     out = distkit.launch(_bookkeeping_worker, make_args(*argv))[0]
     n_obs = int(argv[1]) - 1
     for episode in out["episodes"]:
@@ -106,6 +107,122 @@ def test_observers_report_every_step_and_policy_learns(argv):
             assert n_rewards == n_log_probs == steps
     changed = [not torch.equal(b, a) for b, a in zip(out["before"], out["after"])]
     assert all(changed), "every policy parameter should move after three updates"
+
+
+# ---- --batch with several observers: the right action to the right observer ----
+
+class Recorder(gym.Wrapper):
+    """Remembers every (state, action, reward) of its environment, on the observer's side."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.log: list[tuple[np.ndarray, int, float]] = []
+
+    def reset(self, **kwargs):
+        self.state, info = self.env.reset(**kwargs)
+        return self.state, info
+
+    def step(self, action):
+        state, reward, terminated, truncated, info = self.env.step(action)
+        self.log.append((self.state, int(action), float(reward)))
+        self.state = state
+        return state, reward, terminated, truncated, info
+
+
+class RecordingObserver(BatchObserver):
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.env = Recorder(self.env)
+
+    def take_log(self) -> list[tuple[np.ndarray, int, float]]:
+        log, self.env.log = self.env.log, []
+        return log
+
+
+class RecordingBatchAgent(BatchAgent):
+    observer_cls = RecordingObserver
+
+
+class ParityPolicy(torch.nn.Module):
+    """Probability 1 for an action that is a fixed function of the state: one that differs
+    between two observers' states about half of the time, so a swapped action shows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.one_hot((x.sum(dim=1) * 1000).floor().long() % 2, 2).float()
+
+
+def _batched_observers_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    if worker.rank != 0:
+        return run_worker(worker, args)  # observers, exactly as in the example
+    rpc.init_rpc(AGENT_NAME, rank=0, world_size=worker.world_size)
+    torch.manual_seed(args.seed)
+    agent = RecordingBatchAgent(worker.world_size, args.gamma, args.seed)
+    take_logs = lambda: {r.owner().id: r.rpc_sync().take_log() for r in agent.ob_rrefs}  # noqa: E731
+    # 1. one REINFORCE update from one batched episode of every observer; no dropout, so
+    # that one process can recompute the policy's probabilities
+    agent.policy.eval()
+    before = copy.deepcopy(agent.policy)
+    agent.run_episode()
+    episode = take_logs()
+    agent.finish_episode()
+    out = {"before": before, "after": agent.policy, "loss": agent.last_loss, "episode": episode}
+    # 2. a policy whose action is a function of the state: every observer must get its own
+    agent.policy = ParityPolicy()
+    agent.run_episode()
+    out["routed"] = take_logs()
+    rpc.shutdown()
+    return out
+
+
+def test_batched_agent_answers_each_observer_and_updates_like_one_process():
+    args = make_args("--world_size", "4", "--batch", "--seed", "5", "--gamma", "0.9")
+    out = distkit.launch(_batched_observers_worker, args)[0]
+    assert sorted(out["routed"]) == sorted(out["episode"]) == [1, 2, 3]
+    parity = ParityPolicy()
+    for ob_id, log in out["routed"].items():
+        assert len(log) >= 8  # a CartPole episode lasts at least 8 steps
+        for step, (state, action, _) in enumerate(log):
+            expected = int(parity(torch.from_numpy(state).float().unsqueeze(0)).argmax())
+            assert action == expected, f"observer {ob_id}, step {step}: got another observer's action"
+
+    # the REINFORCE update, in one process, from the states, actions and rewards the
+    # observers themselves recorded (in the agent's order of observers)
+    ref, initial = out["before"], dict(copy.deepcopy(out["before"]).named_parameters())
+    log_probs, returns = [], []
+    for ob_id in sorted(out["episode"]):
+        states, actions, rewards = zip(*out["episode"][ob_id])
+        probs = ref(torch.from_numpy(np.stack(states)).float())
+        log_probs.append(Categorical(probs).log_prob(torch.tensor(actions)))
+        returns.append(discounted_returns(list(rewards), 0.9))
+    returns_t = torch.cat(returns)
+    returns_t = (returns_t - returns_t.mean()) / (returns_t.std() + np.finfo(np.float32).eps)
+    loss = -(torch.cat(log_probs) * returns_t).sum()
+    torch.testing.assert_close(out["loss"], loss.item())
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    loss.backward()
+    opt.step()
+    for (name, p_ref), p in zip(ref.named_parameters(), out["after"].parameters()):
+        torch.testing.assert_close(p, p_ref, msg=lambda m: f"{name}: {m}")
+        assert not torch.equal(p, initial[name]), f"{name} did not move"
+
+
+def _nan_episode_worker(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    """One observer's one-step episode: the normalised return is 0 / 0."""
+    rpc.init_rpc(AGENT_NAME, rank=0, world_size=1)
+    agent = Agent(world_size=1)
+    agent.rewards[7], agent.saved_log_probs[7] = [], []
+    agent.select_action(7, np.zeros(4, dtype=np.float32))
+    agent.report_reward(7, 1.0)
+    agent.finish_episode()
+
+
+def test_a_non_finite_loss_stops_before_the_update(capfd):
+    args = make_args()
+    args.world_size = 1  # the agent alone
+    with pytest.raises(SystemExit) as exit_info:
+        distkit.launch(_nan_episode_worker, args)
+    assert exit_info.value.code == 1
+    assert "FloatingPointError: the loss is nan at the end of an episode" in capfd.readouterr().err
 
 
 def _reinforce_in_one_process(seed: int, gamma: float, episodes: int) -> tuple[list[float], dict]:
@@ -217,3 +334,17 @@ def test_play_refuses_a_truncated_file(tmp_path):
     proc = run_cli("rpc_rl/main.py", "--play", str(bad), timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "is not a saved rpc_rl policy" in proc.stderr
+
+
+def test_play_refuses_a_file_that_is_no_tensor_file_in_one_line():
+    proc = run_cli("rpc_rl/main.py", "--play", "/etc/hostname", timeout=60)
+    assert proc.returncode == 2
+    # torch.load's own message spans lines and suggests weights_only=False (unsafe): not shown
+    assert proc.stderr == "main.py: error: /etc/hostname is not a saved rpc_rl policy\n", proc.stderr
+
+
+def test_there_is_no_device_flag_to_ignore(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --device" in capsys.readouterr().err

@@ -2,21 +2,17 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import re
 
 import pytest
 import torch
-import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
 import torch.nn as nn
 import torch.optim as optim
-from torch.distributed.optim import DistributedOptimizer
 
 import distkit
 from conftest import run_cli, run_torchrun
 from rpc_rnn.main import build_parser, check_args, get_next_batch, make_stream, run_worker
-from rpc_rnn.rnn import PS_NAME, TRAINER_NAME, RNNModel, _remote_method
+from rpc_rnn.rnn import Decoder, EmbeddingTable
 
 SIZES = dict(ntoken=7, ninp=4, nhid=5, nlayers=2, seq_len=3, batch_size=4)
 LR = 0.05  # the tutorial's learning rate
@@ -42,57 +38,6 @@ def test_batches_are_consecutive_next_token_pairs():
         assert torch.equal(target, stream[4 * i + 1:4 * i + 5])  # the next token of each
 
 
-# ---- helpers that run on the parameter server, reached with _remote_method ----
-
-def _state_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-
-
-def _gradients_of(module: nn.Module, context_id: int) -> dict[str, torch.Tensor]:
-    """The gradients this worker accumulated in ``context_id`` for ``module``'s parameters."""
-    grads = dist_autograd.get_gradients(context_id)
-    return {name: grads[p].cpu() for name, p in module.named_parameters()}
-
-
-def _model_state(model: RNNModel) -> dict[str, torch.Tensor]:
-    """Every parameter, named as in the single-process reference below."""
-    state = _remote_method(_state_of, model.emb_table_rref)  # encoder.weight
-    state |= {f"rnn.{k}": v.detach().clone() for k, v in model.rnn.state_dict().items()}
-    return state | _remote_method(_state_of, model.decoder_rref)  # decoder.weight, .bias
-
-
-def _parity_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    """Two training iterations exactly as run_trainer does them, recording everything."""
-    if worker.rank == 0:
-        return run_worker(worker, args)  # the example's own parameter server
-    rpc.init_rpc(TRAINER_NAME, rank=1, world_size=2)
-    torch.manual_seed(0)
-    model = RNNModel(PS_NAME, args.ntoken, args.ninp, args.nhid, args.nlayers, dropout=0.0)
-    opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=LR)
-    criterion = nn.CrossEntropyLoss()
-    stream = make_stream(args.ntoken, args.pattern_len, args.batch_size, 2 * args.seq_len + 1, seed=0)
-    gen = torch.Generator().manual_seed(0)
-    shape = (args.nlayers, args.batch_size, args.nhid)
-    hidden = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-    out = {"initial": _model_state(model), "hidden": hidden, "stream": stream, "steps": []}
-    for data, target in get_next_batch(stream, args.seq_len):
-        with dist_autograd.context() as context_id:
-            hidden = tuple(h.detach() for h in hidden)
-            output, hidden = model(data, hidden)
-            loss = criterion(output.reshape(-1, args.ntoken), target.reshape(-1))
-            dist_autograd.backward(context_id, [loss])
-            local = dist_autograd.get_gradients(context_id)  # the trainer's: the LSTM's
-            grads = {f"rnn.{n}": local[p] for n, p in model.rnn.named_parameters()}
-            # the ps's: read there, in the same context, before it is released
-            grads |= _remote_method(_gradients_of, model.emb_table_rref, context_id)
-            grads |= _remote_method(_gradients_of, model.decoder_rref, context_id)
-            opt.step(context_id)
-        out["steps"].append({"loss": loss.detach(), "output": output.detach(), "grads": grads,
-                             "after": _model_state(model)})
-    rpc.shutdown()
-    return out
-
-
 class LocalRNNModel(nn.Module):
     """The same network in one process: what RNNModel computes, without RPC."""
 
@@ -107,37 +52,61 @@ class LocalRNNModel(nn.Module):
         return self.decoder(output), hidden
 
 
-def test_distributed_step_matches_single_process():
-    argv = [x for k, v in SIZES.items() for x in (f"--{k}", str(v))]
-    args = make_args(*argv, "--pattern_len", "5")
-    out = distkit.launch(_parity_worker, args)[1]
-
+def reference_training(args: argparse.Namespace, initial: dict) -> tuple[list[float], dict]:
+    """run_trainer's training, written out in one process with torch.optim.SGD."""
     ref = LocalRNNModel(args.ntoken, args.ninp, args.nhid, args.nlayers)
-    ref.load_state_dict(out["initial"])
-    before = copy.deepcopy(ref.state_dict())
-    opt = optim.SGD(ref.parameters(), lr=LR)
+    ref.load_state_dict(initial)
+    opt = optim.SGD(ref.parameters(), lr=args.lr)
     criterion = nn.CrossEntropyLoss()
-    hidden = out["hidden"]
-    batches = list(get_next_batch(out["stream"], args.seq_len))
-    assert len(batches) == len(out["steps"]) == 2
-    for i, ((data, target), step) in enumerate(zip(batches, out["steps"])):
-        hidden = tuple(h.detach() for h in hidden)
-        output, hidden = ref(data, hidden)
-        loss = criterion(output.reshape(-1, args.ntoken), target.reshape(-1))
-        opt.zero_grad()  # the distributed side has no zero_grad: a fresh context per step
-        loss.backward()
-        torch.testing.assert_close(step["output"], output.detach())
-        torch.testing.assert_close(step["loss"], loss.detach())
-        assert sorted(step["grads"]) == sorted(n for n, _ in ref.named_parameters())
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(step["grads"][name], p.grad,
-                                       msg=lambda m: f"step {i} gradient of {name}: {m}")
-        opt.step()
-        for name, p in ref.state_dict().items():
-            torch.testing.assert_close(step["after"][name], p,
-                                       msg=lambda m: f"step {i} {name} after SGD: {m}")
-    changed = [n for n, p in ref.state_dict().items() if not torch.equal(p, before[n])]
-    assert len(changed) == len(before), "every parameter should have moved"
+    stream = make_stream(args.ntoken, args.pattern_len, args.batch_size,
+                         args.batches * args.seq_len + 1, args.seed)
+    shape = (args.nlayers, args.batch_size, args.nhid)
+    epoch_losses = []
+    for _ in range(args.epochs):
+        hidden, losses = (torch.zeros(shape), torch.zeros(shape)), []
+        for data, target in get_next_batch(stream, args.seq_len):
+            hidden = tuple(h.detach() for h in hidden)  # the state goes on, its graph does not
+            output, hidden = ref(data, hidden)
+            loss = criterion(output.reshape(-1, args.ntoken), target.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        epoch_losses.append(sum(losses) / len(losses))
+    return epoch_losses, dict(ref.named_parameters())
+
+
+SMALL_RUN = [x for k, v in SIZES.items() for x in (f"--{k}", str(v))] + [
+    "--pattern_len", "5", "--epochs", "2", "--batches", "2", "--lr", str(LR), "--seed", "4"]
+
+
+def test_run_trainer_matches_single_process_training():
+    """The example's own run_trainer (2 epochs of 2 batches: the hidden state carried from
+    batch to batch and reset every epoch) against the same training in one process."""
+    args = make_args(*SMALL_RUN, "--dropout", "0")  # no dropout: no random masks to match
+    out = distkit.launch(run_worker, args)[1]
+    # the remote modules' initial weights come from the seed alone, not from the order in
+    # which the parameter server's RPC threads happened to build them
+    emb = EmbeddingTable(args.ntoken, args.ninp, 0.0, "cpu", seed=4)
+    dec = Decoder(args.ntoken, args.nhid, 0.0, seed=5)
+    for name, p in [*emb.named_parameters(), *dec.named_parameters()]:
+        torch.testing.assert_close(out["initial"][name], p.detach(), rtol=0, atol=0)
+
+    losses, final = reference_training(args, out["initial"])
+    torch.testing.assert_close(out["losses"], losses)
+    assert sorted(out["final"]) == sorted(final)
+    for name, p in final.items():
+        torch.testing.assert_close(out["final"][name], p.detach(), msg=lambda m: f"{name}: {m}")
+        assert not torch.equal(out["final"][name], out["initial"][name]), f"{name} did not move"
+
+
+def test_two_runs_give_identical_losses():
+    """Dropout on (its masks drawn on both processes): still the same numbers every run."""
+    args = make_args(*SMALL_RUN, "--dropout", "0.3")
+    first, second = (distkit.launch(run_worker, args)[1] for _ in range(2))
+    assert first["losses"] == second["losses"]
+    for name, p in first["final"].items():
+        assert torch.equal(second["final"][name], p), name
 
 
 def test_default_cli_run_learns():
