@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -77,6 +78,14 @@ def wait_until(condition, job: Job, what: str, timeout: float = 180) -> None:
         time.sleep(0.01)
 
 
+def finish(job: Job, timeout: float) -> int:
+    """torchrun's exit status; a failure with its output, not a bare timeout, if it hangs."""
+    try:
+        return job.finish(timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"torchrun still running after {timeout} s:\n{job.text()}")
+
+
 def resumed_steps(job: Job) -> list[int]:
     """The step each restarted worker said it resumed after, one per rank that said so."""
     return [int(m.group(1)) for m in re.finditer(r"resumed from \S+/step_(\d+) after step \1\n",
@@ -106,7 +115,7 @@ def test_sigkilled_worker_is_restarted_and_the_run_equals_an_uninterrupted_one(t
         # rank 0: the rank that writes the markers, and whose death left the new group
         # reading the dead ranks' addresses before the fix (see distkit.process_group_store)
         os.kill(first[0], signal.SIGKILL)
-        assert job.finish(timeout=180) == 0, job.text()
+        assert finish(job, timeout=180) == 0, job.text()
     finally:
         job.kill()
     text = job.text()
@@ -125,7 +134,7 @@ def test_kill_inside_a_checkpoint_write_leaves_nothing_a_restart_loads(tmp_path,
     monkeypatch.setenv("KILL_STEP", "6")
     job = torchrun_job(tmp_path, script=str(REPO / "tests" / "kill_in_save.py"))
     try:
-        assert job.finish(timeout=180) == 0, job.text()
+        assert finish(job, timeout=180) == 0, job.text()
     finally:
         job.kill()
     text = job.text()
@@ -147,7 +156,7 @@ def test_a_kill_after_the_restarts_are_used_up_fails_the_job(tmp_path):
         wait_until(lambda: len(resumed_steps(job)) == 2, job, "the restarted group")
         second = workers_by_rank(job)
         os.kill(second[1], signal.SIGKILL)  # --max-restarts 1: this one is not survived
-        status = job.finish(timeout=120)
+        status = finish(job, timeout=120)
     finally:
         job.kill()
     text = job.text()
