@@ -24,6 +24,10 @@ data flags, --seed --batch_size --seq_len --vocab_size, or the resume is refused
     python pipelining_transformer/main.py --steps 20 --checkpoint_dir ckpt --checkpoint_every 5
     python pipelining_transformer/main.py --steps 20 --checkpoint_dir ckpt --resume
     python pipelining_transformer/main.py --steps 20 --world_size 4 --resume ckpt/step_10
+A resume in the same layout restores every rank's random state (dropout masks) too. Restarted
+by torchrun, without a person, when a worker dies:
+    torchrun --standalone --nproc_per_node 2 --max-restarts 3 pipelining_transformer/main.py \
+        --steps 20 --checkpoint_dir ckpt --checkpoint_every 5 --resume
 """
 from __future__ import annotations
 
