@@ -14,12 +14,14 @@ from .launch import (
     job_store,
     launch,
     parse_ranks,
+    process_group_store,
     require_positive,
     under_torchrun,
 )
 
 __all__ = [
     "ArgumentParser", "Worker", "add_launch_args", "backend_for", "check_finite", "check_launch_args",
-    "cleanup", "gpu_count", "job_store", "launch", "parse_ranks", "pick_device", "require_positive",
+    "cleanup", "gpu_count", "job_store", "launch", "parse_ranks", "pick_device", "process_group_store",
+    "require_positive",
     "threads_per_process", "under_torchrun",
 ]

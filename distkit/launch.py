@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
+from torch.distributed.constants import default_pg_timeout
 from multiprocessing import connection as mp_connection
 
 from .device import DEVICE_CHOICES, pick_device, threads_per_process
@@ -192,6 +193,9 @@ def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Names
     printing the failed rank's traceback once.
     """
     if under_torchrun():
+        # torchrun starts each worker in a session of its own, so a SIGKILLed torchrun (no
+        # cleanup runs) would leave its workers training on: they die with it, as spawned ones do
+        _die_with_parent()
         env = os.environ
         worker = Worker(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
                         int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
@@ -297,7 +301,7 @@ def _stop(processes: list) -> None:
 def _spawned(index: int, fn: Callable, args: argparse.Namespace, ranks: list[int],
              addr: str, port: int, result_dir: str) -> None:
     """Entry point of a spawned worker: the environment torchrun would have given it."""
-    _die_with_parent()
+    _die_with_parent(mp.parent_process().pid)
     rank = ranks[index]
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(index),
@@ -363,6 +367,31 @@ def job_store(prefix: str) -> dist.Store:
     return dist.PrefixStore(prefix, store)
 
 
+def process_group_store() -> dist.Store | None:
+    """The store for ``init_process_group(store=...)``: None (use ``env://``) except under
+    torchrun with its shared store, where it is that store under a prefix per restart.
+
+    Why: torchrun (PyTorch 2.14) hosts the workers' store in its agent and keeps that one
+    server for every restart of the group (``_shared_tcp_store_server`` in
+    dynamic_rendezvous.py), while ``env://`` connects to it with no per-attempt prefix (its
+    comment still says each retry gets a new store). Every key the killed group wrote is
+    there when the restarted group rendezvouses: gloo's full-mesh connect of a new rank can
+    read the address a dead rank published, and the new group fails ("Connection refused")
+    or waits forever in ``_create_gloo_process_group``, depending on which side of each pair
+    dials. The more the ranks' start-up times differ, the likelier (pytorch/pytorch#135712).
+    ``TORCHELASTIC_RESTART_COUNT`` counts the restarts of this machine's worker group; all
+    ranks agree on it under ``--standalone`` and whenever every machine's group failed.
+    With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` given to torchrun there is no shared store:
+    rank 0 hosts a new one each round (None here).
+    """
+    if not (under_torchrun() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and "TORCHELASTIC_RESTART_COUNT" in os.environ):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=default_pg_timeout)  # env://'s timeout
+    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
 def _is_loopback(addr: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
@@ -370,10 +399,17 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the launcher dies, even by SIGKILL, so no worker is orphaned."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+def _die_with_parent(parent: int | None = None) -> None:
+    """Linux: get SIGKILL when the launcher dies, even by SIGKILL, so no worker is orphaned.
+
+    ``parent``: the launcher's pid, if known (else the parent this process has now).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = parent or os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent:  # it died before the call: no signal will come for it now
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -9,6 +9,9 @@ step (``step_<N>/``)::
     progress.step                 optimizer steps taken = index of the next batch to read
     progress.<flag>               the flags that fix the data stream (--seed, --batch_size,
                                   --seq_len, --vocab_size): with the step, the data position
+    rng.layout                    the process layout that drew the random numbers
+    rng.rank_<r>.cpu, .cuda       rank r's random state (CPU generator; CUDA where it trains
+                                  on a GPU) after the step: what its next dropout masks are
 
 Because nothing in the keys says which stage or rank wrote them, any split (2 stages, 4
 stages, one process with the whole ``Transformer``) loads any checkpoint: each process asks
@@ -17,6 +20,11 @@ for the keys of the parameters it holds. A checkpoint counts only once rank 0 ha
 every file and its size, so a directory cut short by a crash, or a file truncated since,
 is refused instead of loaded; so is one whose marker or ``.metadata`` cannot be read, and
 a resume whose data settings differ from the saved ones (it would read another stream).
+
+The random states go back to their ranks only in the layout that saved them: there rank r
+runs the same stages on the same micro-batches, so it draws the same dropout masks as an
+uninterrupted run would. Another layout draws other masks whatever state it is given, so
+there every rank is seeded afresh from (seed, step, rank) instead: reproducible, not equal.
 """
 from __future__ import annotations
 
@@ -58,7 +66,30 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _state(parts: Parts, step: int, data: Mapping[str, int]) -> dict:
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random state: the CPU generator's, and the GPU's it trains on."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _device(parts: list) -> torch.device:
+    return next(p.device for module, _ in parts for p in module.parameters())
+
+
+def _state(parts: Parts, step: int, data: Mapping[str, int], layout: str | None = None) -> dict:
+    parts = list(parts)
     model, optim = {}, {}
     for module, opt in parts:
         for name, p in module.named_parameters():
@@ -67,13 +98,20 @@ def _state(parts: Parts, step: int, data: Mapping[str, int]) -> dict:
             optim[name] = {k: v.detach().cpu() for k, v in opt.state.get(p, {}).items()
                            if isinstance(v, torch.Tensor)}
     progress = {"step": torch.tensor(step), **{k: torch.tensor(v) for k, v in data.items()}}
-    return {"model": model, "optim": optim, "progress": progress}
+    state = {"model": model, "optim": optim, "progress": progress}
+    if layout is not None:
+        # keyed by rank: DCP keeps one copy of a key that several ranks save
+        state["rng"] = {"layout": layout, f"rank_{_rank()}": _rng_state(_device(parts))}
+    return state
 
 
-def save(root: str | os.PathLike, step: int, parts: Parts, data: Mapping[str, int]) -> Path:
+def save(root: str | os.PathLike, step: int, parts: Parts, data: Mapping[str, int],
+         layout: str | None = None) -> Path:
     """Every rank calls this after optimizer step ``step``; returns the checkpoint's directory.
 
     ``data``: the value of each of DATA_FLAGS, so that a resume can tell it reads the same stream.
+    ``layout``: a description of the process layout (world size, schedule, ...); with it every
+    rank's random state is saved too, for a resume in the same layout.
     """
     path = step_dir(root, step)
     rank0 = not _distributed() or dist.get_rank() == 0
@@ -83,13 +121,17 @@ def save(root: str | os.PathLike, step: int, parts: Parts, data: Mapping[str, in
         path.mkdir(parents=True)
     if _distributed():
         dist.barrier()
-    dcp.save(_state(parts, step, data), checkpoint_id=path)
+    dcp.save(_state(parts, step, data, layout), checkpoint_id=path)
     if _distributed():
         dist.barrier()  # every rank's files are written before the checkpoint is called complete
     if rank0:
+        # a kill (of any rank) before this point leaves no marker: the directory is skipped
         files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
         tmp = path / f"{COMPLETE}.tmp"
-        tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"step": step, "files": files}, indent=1))
+            f.flush()
+            os.fsync(f.fileno())  # DCP fsyncs its files; the marker must not reach disk first
         os.replace(tmp, path / COMPLETE)  # atomic: the marker is there whole or not at all
     return path
 
@@ -194,15 +236,41 @@ def incompatibility(path: str | os.PathLike, model_args: ModelArgs, optimizer: s
     return None
 
 
-def load(path: str | os.PathLike, parts: Parts) -> int:
+def same_on_every_rank(path: str | None) -> str | None:
+    """``path``, once every rank of the process group has checked it chose the same one.
+
+    Each rank picks the newest complete checkpoint itself (under torchrun, each restarted
+    worker does); on a file system that shows a new marker to one machine before another,
+    ranks that resumed from different steps would go on as one job, silently wrong.
+    """
+    if not _distributed():
+        return path
+    chosen: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, path)
+    if len(set(chosen)) > 1:
+        raise RuntimeError("the ranks chose different checkpoints to resume from: " +
+                           ", ".join(f"rank {r}: {p}" for r, p in enumerate(chosen)))
+    return path
+
+
+def load(path: str | os.PathLike, parts: Parts, layout: str | None = None) -> int:
     """Load the weights and optimizer state of ``parts``' parameters; return the step saved.
 
+    The random state too, if the checkpoint was saved in this ``layout`` (see save); with
+    another layout (or none saved) each rank is seeded from the seed, the step and its rank.
     Works in a process group (every rank calls it) and in a plain process without one.
     """
     path = Path(path)
     parts = list(parts)
     saved = _metadata(path)
     state = _state(parts, 0, {})  # the weights load in place, into the parameters themselves
+    if layout is not None and "progress.seed" in saved:
+        state["progress"]["seed"] = torch.tensor(0)
+    mine = f"rng.rank_{_rank()}."
+    if layout is not None and "rng.layout" in saved:
+        state["rng"] = {"layout": "", f"rank_{_rank()}": {
+            k.removeprefix(mine): torch.empty(m.size, dtype=m.properties.dtype)
+            for k, m in saved.items() if k.startswith(mine)}}
     for module, _ in parts:
         for name, _ in module.named_parameters():
             # optimizers create their state lazily: make room for what the checkpoint has
@@ -217,4 +285,18 @@ def load(path: str | os.PathLike, parts: Parts) -> int:
                 # AdamW keeps its step count on the CPU unless capturable; the rest by the weight
                 opt.state[p] = {k: v if k == "step" else v.to(p.device)
                                 for k, v in state["optim"][name].items()}
-    return int(state["progress"]["step"])
+    step = int(state["progress"]["step"])
+    if layout is None:  # not a resume of training (a model loaded to look at): RNG untouched
+        return step
+    rng = state.get("rng", {})
+    mine = rng.get(f"rank_{_rank()}", {})
+    if rng.get("layout") == layout and "cpu" in mine:
+        _set_rng_state(mine, _device(parts))
+        log.info("random state restored: the same layout saved it")
+    else:
+        # another layout draws other masks anyway: fresh, but reproducible and not step 0's
+        seed = int(state["progress"].get("seed", 0))
+        torch.manual_seed((seed * 1_000_003 + step) * 1_009 + _rank())
+        why = f"saved by layout {rng['layout']!r}" if rng.get("layout") else "none saved"
+        log.info(f"random state not restored ({why}): seeded from the seed, step and rank")
+    return step

@@ -26,6 +26,10 @@ data flags, --seed --batch_size --seq_len --vocab_size, or the resume is refused
     python pipelining_transformer/main.py --steps 20 --checkpoint_dir ckpt --checkpoint_every 5
     python pipelining_transformer/main.py --steps 20 --checkpoint_dir ckpt --resume
     python pipelining_transformer/main.py --steps 20 --world_size 4 --resume ckpt/step_10
+A resume in the same layout restores every rank's random state (dropout masks) too. Restarted
+by torchrun, without a person, when a worker dies:
+    torchrun --standalone --nproc_per_node 2 --max-restarts 3 pipelining_transformer/main.py \
+        --steps 20 --checkpoint_dir ckpt --checkpoint_every 5 --resume
 """
 from __future__ import annotations
 
@@ -177,6 +181,14 @@ def data_settings_from(args: argparse.Namespace) -> dict[str, int]:
     return {flag: getattr(args, flag) for flag in checkpoint.DATA_FLAGS}
 
 
+def layout_from(args: argparse.Namespace, device: torch.device) -> str:
+    """What fixes each rank's random draws (its stages, micro-batches, device): a resume in
+    the same layout gets every rank's random state back, so its dropout masks too."""
+    return (f"world_size={args.world_size} dp_size={getattr(args, 'dp_size', 1)} "
+            f"schedule={args.schedule} split={args.split} "
+            f"n_microbatches={args.n_microbatches} device={device.type}")
+
+
 def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
     """This rank's stages, cut from the same seeded full model that every rank builds."""
     model_args = model_args_from(args)
@@ -193,10 +205,12 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
              f"({args.schedule}, {args.split} split) on {pp.device}")
     parts = [(s.submod, opt) for s, opt in zip(pp.stages, pp.optimizers)]
+    layout = layout_from(args, pp.device)
     first = 0
-    if args.resume_path:
+    # each rank (each restarted torchrun worker too) chose for itself: the same one?
+    if checkpoint.same_on_every_rank(args.resume_path):
         # the step saved is also the data position: batch ``step`` is the next one to read
-        first = checkpoint.load(args.resume_path, parts)
+        first = checkpoint.load(args.resume_path, parts, layout)
         log.info(f"resumed from {args.resume_path} after step {first}")
     losses: list[float] = []
     # appended to, so that a resumed run goes on with the file of the run it resumes
@@ -219,7 +233,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
         done = step + 1
         if args.checkpoint_dir and (done == args.steps or
                                     args.checkpoint_every and done % args.checkpoint_every == 0):
-            path = checkpoint.save(args.checkpoint_dir, done, parts, data_settings_from(args))
+            path = checkpoint.save(args.checkpoint_dir, done, parts, data_settings_from(args), layout)
             log.info(f"checkpoint {path} complete")
     seconds = time.perf_counter() - start
     if loss_log is not None:

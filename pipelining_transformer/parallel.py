@@ -112,7 +112,10 @@ def init_distributed(device_preference: str = "auto") -> DistEnv:
     device = distkit.pick_device(device_preference, local_rank, min_gpus=local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=distkit.backend_for(device))
+    # under torchrun, a store of this restart's own: a restarted group would otherwise meet
+    # the addresses its killed predecessor left in torchrun's store (see distkit)
+    dist.init_process_group(backend=distkit.backend_for(device), store=distkit.process_group_store(),
+                            rank=rank, world_size=world_size)
     # the group that carries the stages' send/recv: a sub-group once PP is one of N dims
     pp_group = dist.new_group()
     return DistEnv(rank, world_size, device, pp_group)

@@ -1,5 +1,6 @@
-"""pipelining_transformer checkpoints: a SIGKILLed run resumes exactly; checkpoints load into
-any split and into one process; incomplete, truncated or damaged checkpoints, and resumes
+"""pipelining_transformer checkpoints: a SIGKILLed run resumes exactly, dropout included (the
+random state comes back in the layout that saved it); checkpoints load into any split and
+into one process; incomplete, truncated or damaged checkpoints, and resumes
 with other data settings, are refused."""
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pipelining_transformer.main import (build_parser, build_rank, check_args, d
 from pipelining_transformer.model import Transformer, tokenwise_loss_fn
 from pipelining_transformer.parallel import init_distributed, make_optimizer, synthetic_batch
 
-# dropout 0: dropout masks come from each process's RNG, which a checkpoint does not hold
+# dropout 0 for the comparisons across splits: another layout draws other dropout masks
 TINY = ("--dim", "16", "--n_heads", "2", "--vocab_size", "32", "--seq_len", "8", "--n_layers", "4",
         "--batch_size", "8", "--n_microbatches", "4", "--dropout", "0", "--seed", "3")
 SAVED_AT = 2  # the cross-split test saves after this many steps
@@ -45,7 +46,8 @@ def logged_losses(path) -> list[tuple[int, float]]:
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     steps, kill_after = 12, 3
     root, resumed_log, whole_log = tmp_path / "ckpt", tmp_path / "resumed.jsonl", tmp_path / "whole.jsonl"
-    argv = ["pipelining_transformer/main.py", *TINY, "--steps", str(steps)]
+    # the default dropout: only a restored random state gives the same masks after the resume
+    argv = ["pipelining_transformer/main.py", *TINY, "--dropout", "0.1", "--steps", str(steps)]
     ckpt = ["--checkpoint_dir", str(root), "--checkpoint_every", "1", "--loss_log", str(resumed_log)]
     # its own session, so that one killpg takes the launcher and every worker at once
     proc = subprocess.Popen([sys.executable, *argv, *ckpt], cwd=REPO, start_new_session=True,
@@ -67,6 +69,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     resumed = run_cli(*argv, *ckpt, "--resume", timeout=180)  # appends to the same log
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed from {saved} after step {resumed_at}" in resumed.stdout, resumed.stdout
+    assert resumed.stdout.count("random state restored") == 2, resumed.stdout
     whole = run_cli(*argv, "--loss_log", str(whole_log), timeout=180)
     assert whole.returncode == 0, whole.stdout + whole.stderr
 
@@ -78,12 +81,30 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert [s for s, _ in got] == list(range(resumed_at + 1, steps + 1)), resumed.stdout
     for s, loss in got:  # the log is what the run printed, at full precision
         assert f"step {s}/{steps}  loss {loss:.4f}" in resumed.stdout, resumed.stdout
-    # float32 losses, compared as such: the resumed steps, and the killed run's before them
-    torch.testing.assert_close(torch.tensor([loss for _, loss in got]),
-                               torch.tensor([loss for _, loss in expected[resumed_at:]]))
-    assert [s for s, _ in killed] == list(range(1, len(killed) + 1)), killed
-    torch.testing.assert_close(torch.tensor([loss for _, loss in killed]),
-                               torch.tensor([loss for _, loss in expected[:len(killed)]]))
+    # bit for bit: the resumed steps, and the killed run's before them
+    assert got == expected[resumed_at:]
+    assert killed == expected[:len(killed)]
+
+
+def test_random_state_comes_back_only_into_the_layout_that_saved_it(tmp_path):
+    args = make_args(*TINY)
+    parts = [_one_step(args)]
+    torch.manual_seed(11)
+    saved_state = torch.get_rng_state()
+    path = checkpoint.save(tmp_path, 1, parts, data_settings_from(args), layout="world_size=1 A")
+    torch.manual_seed(12)
+    untouched = torch.get_rng_state()
+    checkpoint.load(path, parts)  # no layout: not a training resume, the state is left alone
+    assert torch.equal(torch.get_rng_state(), untouched)
+    checkpoint.load(path, parts, layout="world_size=1 A")
+    assert torch.equal(torch.get_rng_state(), saved_state)
+    # another layout: seeded from --seed, the step and the rank, the same on every resume
+    checkpoint.load(path, parts, layout="world_size=2 A")
+    other = torch.get_rng_state()
+    assert not torch.equal(other, saved_state) and not torch.equal(other, untouched)
+    torch.manual_seed(13)
+    checkpoint.load(path, parts, layout="world_size=2 A")
+    assert torch.equal(torch.get_rng_state(), other)
 
 
 def _train_save_continue(worker: distkit.Worker, args: argparse.Namespace) -> list[float] | None:
