@@ -245,8 +245,8 @@ def shard_over_dp(stage: PipelineStage, dp_mesh: DeviceMesh) -> None:
     its gradient sync for all but the last micro-batch and call its reduce-scatter once per
     step (``REDUCE_GRAD``). DDP's all-reduce fires from autograd hooks on the gradient
     accumulators, which the zero-bubble schedules' split backward (``autograd.grad`` for the
-    weights, added into ``.grad`` by hand) never reaches, so with DDP their gradients would
-    silently not be averaged. ``reshard_after_forward=False``: a stage's weights are gathered
+    weights, added into ``.grad`` by hand) never reaches: with DDP, ZBVZeroBubble's gradients
+    were silently not averaged (see the README). ``reshard_after_forward=False``: a stage's weights are gathered
     once per step, not once per micro-batch forward and again per backward.
     The parameters become DTensors, each rank storing 1/dp of every one (and of its
     optimizer state), under the same names as before.
