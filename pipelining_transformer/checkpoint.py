@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from pipelining_transformer.model import ModelArgs, Transformer
 
@@ -95,8 +96,9 @@ def _state(parts: Parts, step: int, data: Mapping[str, int], layout: str | None 
         for name, p in module.named_parameters():
             model[name] = p.detach()
             # optimizer state on the CPU: a checkpoint does not depend on the device either
-            optim[name] = {k: v.detach().cpu() for k, v in opt.state.get(p, {}).items()
-                           if isinstance(v, torch.Tensor)}
+            # (DCP saves a sharded one, of --dp_size > 1, from wherever its shards are)
+            optim[name] = {k: v.detach() if isinstance(v, DTensor) else v.detach().cpu()
+                           for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
     progress = {"step": torch.tensor(step), **{k: torch.tensor(v) for k, v in data.items()}}
     state = {"model": model, "optim": optim, "progress": progress}
     if layout is not None:
@@ -253,6 +255,17 @@ def same_on_every_rank(path: str | None) -> str | None:
     return path
 
 
+def _room_for(meta: TensorStorageMetadata, param: torch.Tensor) -> torch.Tensor:
+    """An empty tensor to load the saved state ``meta`` of ``param`` into.
+
+    State shaped like a parameter sharded over the dp group (FSDP2, --dp_size > 1) is
+    sharded like it, so that each rank reads only its own part; any other state is whole.
+    """
+    if isinstance(param, DTensor) and tuple(meta.size) == tuple(param.shape):
+        return torch.empty_like(param, dtype=meta.properties.dtype)
+    return torch.empty(meta.size, dtype=meta.properties.dtype)
+
+
 def load(path: str | os.PathLike, parts: Parts, layout: str | None = None) -> int:
     """Load the weights and optimizer state of ``parts``' parameters; return the step saved.
 
@@ -272,12 +285,11 @@ def load(path: str | os.PathLike, parts: Parts, layout: str | None = None) -> in
             k.removeprefix(mine): torch.empty(m.size, dtype=m.properties.dtype)
             for k, m in saved.items() if k.startswith(mine)}}
     for module, _ in parts:
-        for name, _ in module.named_parameters():
+        for name, p in module.named_parameters():
             # optimizers create their state lazily: make room for what the checkpoint has
             prefix = f"optim.{name}."
-            state["optim"][name] = {
-                k.removeprefix(prefix): torch.empty(m.size, dtype=m.properties.dtype)
-                for k, m in saved.items() if k.startswith(prefix)}
+            state["optim"][name] = {k.removeprefix(prefix): _room_for(m, p)
+                                    for k, m in saved.items() if k.startswith(prefix)}
     dcp.load(state, checkpoint_id=path)
     for module, opt in parts:
         for name, p in module.named_parameters():

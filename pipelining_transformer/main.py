@@ -30,6 +30,12 @@ A resume in the same layout restores every rank's random state (dropout masks) t
 by torchrun, without a person, when a worker dies:
     torchrun --standalone --nproc_per_node 2 --max-restarts 3 pipelining_transformer/main.py \
         --steps 20 --checkpoint_dir ckpt --checkpoint_every 5 --resume
+
+Pipeline x data parallelism: --dp_size D runs D pipeline replicas of world_size / D ranks
+each, on a ("dp", "pp") device mesh (rank = dp_rank * pp_size + pp_rank); replica k trains on
+the k-th contiguous slice of every batch, and each stage's gradients are averaged over the
+D ranks holding it (FSDP2). The first replica's last-stage rank prints the batch's loss:
+    python pipelining_transformer/main.py --world_size 4 --dp_size 2 --batch_size 16
 """
 from __future__ import annotations
 
@@ -88,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one per stage; sgd (momentum 0.9) makes a step a linear function "
                              "of the gradient, for bit-for-bit comparisons")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    parser.add_argument("--dp_size", type=int, default=1, metavar="D",
+                        help="pipeline replicas (data parallelism): world_size / D ranks each, "
+                             "every replica trains on 1/D of each batch")
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
     parser.add_argument("--loss_log", default=None, metavar="PATH",
                         help='append {"step": N, "loss": L} per step to PATH, one JSON line each, '
@@ -121,9 +130,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                  "n_heads", "vocab_size"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.batch_size % args.n_microbatches:
+    if args.dp_size < 1:
+        parser.error(f"--dp_size must be at least 1, got {args.dp_size}")
+    if args.world_size % args.dp_size:
+        parser.error(f"--world_size {args.world_size} is not divisible by --dp_size {args.dp_size}")
+    if args.batch_size % (args.dp_size * args.n_microbatches):  # each replica: equal micro-batches
+        dp = f"--dp_size {args.dp_size} x " if args.dp_size > 1 else ""
         parser.error(f"--batch_size {args.batch_size} is not divisible by "
-                     f"--n_microbatches {args.n_microbatches}")
+                     f"{dp}--n_microbatches {args.n_microbatches}")
     if args.dim % args.n_heads:
         parser.error(f"--dim {args.dim} is not divisible by --n_heads {args.n_heads}")
     if not 0 <= args.dropout < 1:  # also false for nan
@@ -135,14 +149,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--loss_log {args.loss_log}: no such directory {folder}")
         if os.path.isdir(args.loss_log):
             parser.error(f"--loss_log {args.loss_log} is a directory")
-    n_stages = num_stages_for(args.schedule, args.world_size)
+    pp_size = args.world_size // args.dp_size  # ranks per pipeline replica
+    on = f"on {pp_size} ranks" + (f" per replica (--dp_size {args.dp_size})" if args.dp_size > 1 else "")
+    n_stages = num_stages_for(args.schedule, pp_size)
     if n_stages > args.n_layers:
-        parser.error(f"{args.schedule} on {args.world_size} ranks makes {n_stages} stages, "
+        parser.error(f"{args.schedule} {on} makes {n_stages} stages, "
                      f"more than --n_layers {args.n_layers}: each stage needs a layer")
-    problem = schedule_problem(args.schedule, args.world_size, args.n_microbatches)
+    problem = schedule_problem(args.schedule, pp_size, args.n_microbatches)
     if problem:
         parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
-                     f"on {args.world_size} ranks: {problem}")
+                     f"{on}: {problem}")
     if args.trace is not None and os.path.exists(args.trace) and not os.path.isdir(args.trace):
         parser.error(f"--trace {args.trace} is a file, not a directory")
     check_checkpoint_args(parser, args)
@@ -194,16 +210,21 @@ def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
     model_args = model_args_from(args)
     torch.manual_seed(args.seed)
     model = Transformer(model_args)
-    microbatch = (args.batch_size // args.n_microbatches, args.seq_len)
+    if env.dp_rank:
+        # the replicas' own dropout masks (they are equal on every rank of a replica, as
+        # before; replica 0 keeps the masks a run without --dp_size draws)
+        torch.manual_seed(args.seed + 1_000_003 * env.dp_rank)
+    microbatch = (args.batch_size // (env.dp_size * args.n_microbatches), args.seq_len)
     return PipelineRank(model, model_args, env, args.schedule, args.split, args.n_microbatches,
                         microbatch, args.lr, args.optimizer)
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     """Every rank trains its stages; the one with the last stage reports the losses."""
-    pp = build_rank(args, init_distributed(args.device))
+    pp = build_rank(args, init_distributed(args.device, args.dp_size))
+    replica = f", replica {pp.dp_rank} of {pp.dp_size}" if pp.dp_size > 1 else ""
     log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
-             f"({args.schedule}, {args.split} split) on {pp.device}")
+             f"({args.schedule}, {args.split} split{replica}) on {pp.device}")
     parts = [(s.submod, opt) for s, opt in zip(pp.stages, pp.optimizers)]
     layout = layout_from(args, pp.device)
     first = 0
@@ -214,7 +235,8 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
         log.info(f"resumed from {args.resume_path} after step {first}")
     losses: list[float] = []
     # appended to, so that a resumed run goes on with the file of the run it resumes
-    loss_log = open(args.loss_log, "a") if args.loss_log and pp.has_last else None
+    reports = pp.has_last and pp.dp_rank == 0  # one rank prints the batch's loss
+    loss_log = open(args.loss_log, "a") if args.loss_log and reports else None
     tracer = PipelineTracer(dist.get_rank()) if args.trace else None
     start = time.perf_counter()
     for step in range(first, args.steps):
@@ -223,8 +245,11 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
             mb_losses = pp.forward_backward(x, y)
         pp.optimizer_step()
         if mb_losses is not None:
-            # equal micro-batches: the mean of their mean losses is the batch's mean loss
-            losses.append(distkit.check_finite(torch.stack(mb_losses).mean().item(), f"step {step + 1}"))
+            # equal micro-batches: the mean of their mean losses (over the replicas, too)
+            # is the batch's mean loss
+            loss = distkit.check_finite(pp.batch_loss(mb_losses), f"step {step + 1}")
+        if mb_losses is not None and reports:
+            losses.append(loss)
             log.info(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}")
             if loss_log is not None:
                 # one write of a whole line, flushed: a killed run leaves only whole lines

@@ -1,8 +1,9 @@
 """The tutorial's pipelining steps, for any number of ranks and any installed schedule.
 
-``init_distributed`` (torchrun's environment -> process group), ``manual_model_split`` and
-``tracer_model_split`` (the two ways to cut the model into ``PipelineStage``s), the schedule
-catalogue, and ``PipelineRank``: what one rank holds and how it trains.
+``init_distributed`` (torchrun's environment -> process group and a ("dp", "pp") device
+mesh), ``manual_model_split`` and ``tracer_model_split`` (the two ways to cut the model into
+``PipelineStage``s), the schedule catalogue, and ``PipelineRank``: what one rank holds and how
+it trains (with ``--dp_size`` > 1, its stages sharded over their data-parallel group with FSDP2).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
@@ -94,20 +97,44 @@ def schedule_problem(schedule: str, world_size: int, n_microbatches: int) -> str
 
 @dataclass
 class DistEnv:
-    """The tutorial's globals (rank, device, pp_group), as one value."""
+    """The tutorial's globals (rank, device, pp_group), as one value, and this rank's place
+    on the ("dp", "pp") mesh: pipeline replica ``dp_rank`` of ``dp_size``, pipeline rank
+    ``pp_rank`` of ``pp_size`` within it (``rank = dp_rank * pp_size + pp_rank``)."""
 
     rank: int
     world_size: int
     device: torch.device
-    pp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup  # the ranks of this pipeline replica: the stages' send/recv
+    mesh: DeviceMesh | None = None
+    dp_size: int = 1
+
+    @property
+    def pp_size(self) -> int:
+        return self.world_size // self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank % self.pp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.pp_size
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same stages as this one, in the other replicas."""
+        return self.mesh["dp"].get_group() if self.mesh is not None else None
 
 
-def init_distributed(device_preference: str = "auto") -> DistEnv:
-    """Join the process group described by torchrun's (or distkit's) environment."""
+def init_distributed(device_preference: str = "auto", dp_size: int = 1) -> DistEnv:
+    """Join the process group described by torchrun's (or distkit's) environment and lay
+    its ranks out on a (dp_size, world_size / dp_size) mesh named ("dp", "pp")."""
     rank = int(os.environ["RANK"])  # the tutorial used LOCAL_RANK: wrong beyond one machine
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % dp_size:
+        raise ValueError(f"world size {world_size} is not divisible by dp_size {dp_size}")
     # a GPU per process on this machine, or the CPU for all (never cuda:<rank> by fiat)
     device = distkit.pick_device(device_preference, local_rank, min_gpus=local_world_size)
     if device.type == "cuda":
@@ -116,9 +143,13 @@ def init_distributed(device_preference: str = "auto") -> DistEnv:
     # the addresses its killed predecessor left in torchrun's store (see distkit)
     dist.init_process_group(backend=distkit.backend_for(device), store=distkit.process_group_store(),
                             rank=rank, world_size=world_size)
-    # the group that carries the stages' send/recv: a sub-group once PP is one of N dims
-    pp_group = dist.new_group()
-    return DistEnv(rank, world_size, device, pp_group)
+    # row-major: rank = dp_rank * pp_size + pp_rank, so each pipeline replica is a block of
+    # consecutive ranks (one machine's, with torchrun --nproc_per_node pp_size) and its
+    # send/recv stays there; each "dp" group takes one rank from every replica
+    mesh = init_device_mesh(device.type, (dp_size, world_size // dp_size),
+                            mesh_dim_names=("dp", "pp"))
+    # the group that carries the stages' send/recv: a sub-group, now that PP is one of 2 dims
+    return DistEnv(rank, world_size, device, mesh["pp"].get_group(), mesh, dp_size)
 
 
 def manual_model_split(model: Transformer, stage_index: int, num_stages: int, layers: range,
@@ -210,14 +241,35 @@ def make_optimizer(name: str, params: Iterator[nn.Parameter], lr: float) -> torc
     raise ValueError(f"unknown optimizer {name!r}")
 
 
+def shard_over_dp(stage: PipelineStage, dp_mesh: DeviceMesh) -> None:
+    """Average the stage's gradients over its replicas: FSDP2 (``fully_shard``) on the stage.
+
+    FSDP2, not DDP, because PyTorch's schedules drive it for every schedule: they turn off
+    its gradient sync for all but the last micro-batch and call its reduce-scatter once per
+    step (``REDUCE_GRAD``). DDP's all-reduce fires from autograd hooks on the gradient
+    accumulators, which the zero-bubble schedules' split backward (``autograd.grad`` for the
+    weights, added into ``.grad`` by hand) never reaches: with DDP, ZBVZeroBubble's gradients
+    were silently not averaged (see the README). ``reshard_after_forward=False``: a stage's weights are gathered
+    once per step, not once per micro-batch forward and again per backward.
+    The parameters become DTensors, each rank storing 1/dp of every one (and of its
+    optimizer state), under the same names as before.
+    """
+    fully_shard(stage.submod, mesh=dp_mesh, reshard_after_forward=False)
+
+
 class PipelineRank:
-    """What one rank runs: its stages, their schedule, and an optimizer per stage."""
+    """What one rank runs: its stages, their schedule, and an optimizer per stage.
+
+    With ``env.dp_size`` > 1 it is one rank of pipeline replica ``env.dp_rank``: it trains on
+    that replica's rows of each batch, and its stages' gradients are averaged with the same
+    stages of the other replicas (``shard_over_dp``).
+    """
 
     def __init__(self, model: Transformer, model_args: ModelArgs, env: DistEnv, schedule: str,
                  split: str, n_microbatches: int, microbatch_shape: tuple[int, int],
                  lr: float, optimizer: str = "adamw") -> None:
-        self.num_stages = num_stages_for(schedule, env.world_size)
-        indices = stage_indices_for(schedule, env.rank, env.world_size)
+        self.num_stages = num_stages_for(schedule, env.pp_size)
+        indices = stage_indices_for(schedule, env.pp_rank, env.pp_size)
         ranges = layer_ranges(model_args.n_layers, self.num_stages)
         if split == "manual":
             # every stage but the last cuts its own copy; the last cuts the model itself
@@ -230,6 +282,10 @@ class PipelineRank:
                                              indices, env.device, env.pp_group)
         else:
             raise ValueError(f"unknown split {split!r}")
+        self.dp_rank, self.dp_size, self.dp_group = env.dp_rank, env.dp_size, env.dp_group
+        if env.dp_size > 1:  # before the optimizers: they must hold the sharded parameters
+            for stage in self.stages:
+                shard_over_dp(stage, env.mesh["dp"])
         cls = SCHEDULES[schedule]
         self.schedule = cls(self.stages if is_multi_stage(schedule) else self.stages[0],
                             n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
@@ -238,8 +294,18 @@ class PipelineRank:
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
 
+    def replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This replica's share of a batch: the ``dp_rank``-th of ``dp_size`` contiguous slices.
+
+        Contiguous, so that the replicas' micro-batches, in replica order, are the whole
+        batch's micro-batches as one pipeline with dp_size times as many would cut them.
+        """
+        return batch.chunk(self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
+
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
-        """One pipelined pass over the batch; the micro-batch losses where the last stage is."""
+        """One pipelined pass over this replica's rows of the whole batch ``x``, ``y``; the
+        replica's micro-batch losses where the last stage is."""
+        x, y = self.replica_rows(x), self.replica_rows(y)
         for opt in self.optimizers:
             # the schedule adds every micro-batch's gradient into .grad
             opt.zero_grad(set_to_none=True)
@@ -249,6 +315,18 @@ class PipelineRank:
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses)
         return losses
+
+    def batch_loss(self, mb_losses: list[torch.Tensor]) -> float:
+        """The whole batch's mean loss from the replicas' micro-batch losses.
+
+        A collective over the dp group: every rank holding the last stage calls it (the
+        same-sized micro-batches of every replica make it the mean of their means).
+        """
+        loss = torch.stack(mb_losses).detach().mean()
+        if self.dp_size > 1:
+            dist.all_reduce(loss, group=self.dp_group)  # SUM: gloo has no AVG
+            loss /= self.dp_size
+        return loss.item()
 
     def optimizer_step(self) -> None:
         for opt in self.optimizers:
