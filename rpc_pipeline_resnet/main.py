@@ -37,7 +37,7 @@ from torch.distributed.optim import DistributedOptimizer
 import distkit
 from distkit.timeline import (Recorder, clock, plot_timelines, spans_from_dicts, spans_to_dicts,
                               write_chrome_trace)
-from rpc_pipeline_resnet.measure import (batch_floor, classic_bound, process_stats, state_digest,
+from rpc_pipeline_resnet.measure import (batch_floor, process_stats, report, state_digest,
                                          steady_malloc)
 from rpc_pipeline_resnet.model import NUM_CLASSES, DistResNet50
 
@@ -218,32 +218,6 @@ def write_trace(directory: str, runs: list[dict]) -> list[Path]:
     paths.append(plot_timelines(Path(directory) / "timeline.png", panels,
                                 title="rpc_pipeline_resnet: measured timeline per rank"))
     return paths
-
-
-def report(runs: list[dict]) -> list[dict]:
-    """Every speed-up beside its bounds; one row per run."""
-    # the base: the run with the fewest splits (whatever the order of --splits)
-    base = min(runs, key=lambda r: r["num_split"])
-    # the machine's limit: no run can be faster than the base's CPU work spread over all
-    # the cores (per host), T_base / floor_base. True as long as no run needs less CPU work
-    # than the base; "work" shows it, and a speed-up above this bound says the base did
-    # avoidable work (that is what the page faults of the first run did)
-    bound = base["time"] / base["floor"]
-    rows = []
-    for run in runs:
-        m, t, cpu = run["num_split"], run["time"], sum(run["batch_cpu"])
-        speedup = base["time"] / t
-        flags = []
-        if speedup > bound:
-            flags.append("ERROR: above bound")
-        if run["floor"] > t:  # CPU seconds / cores > wall seconds: a clock is wrong
-            flags.append("ERROR: busier than the cores")
-        rows.append({"splits": m, "time": t, "speed-up": speedup, "bound": bound,
-                     "classic": classic_bound(m) / classic_bound(base["num_split"]),
-                     "busy": cpu / t, "work": cpu / sum(base["batch_cpu"]),
-                     "cpu": run["cpu_times"], "faults": sum(run["faults"]) / len(run["faults"]),
-                     "losses": run["losses"], "flag": " ".join(flags)})
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

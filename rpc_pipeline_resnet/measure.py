@@ -88,3 +88,29 @@ def state_digest(module: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def report(runs: list[dict]) -> list[dict]:
+    """Every speed-up beside its bounds; one row per run."""
+    # the base: the run with the fewest splits (whatever the order of --splits)
+    base = min(runs, key=lambda r: r["num_split"])
+    # the machine's limit: no run can be faster than the base's CPU work spread over all
+    # the cores (per host), T_base / floor_base. True as long as no run needs less CPU work
+    # than the base; "work" shows it, and a speed-up above this bound says the base did
+    # avoidable work (that is what the page faults of the first run did)
+    bound = base["time"] / base["floor"]
+    rows = []
+    for run in runs:
+        m, t, cpu = run["num_split"], run["time"], sum(run["batch_cpu"])
+        speedup = base["time"] / t
+        flags = []
+        if speedup > bound:
+            flags.append("ERROR: above bound")
+        if run["floor"] > t:  # CPU seconds / cores > wall seconds: a clock is wrong
+            flags.append("ERROR: busier than the cores")
+        rows.append({"splits": m, "time": t, "speed-up": speedup, "bound": bound,
+                     "classic": classic_bound(m) / classic_bound(base["num_split"]),
+                     "busy": cpu / t, "work": cpu / sum(base["batch_cpu"]),
+                     "cpu": run["cpu_times"], "faults": sum(run["faults"]) / len(run["faults"]),
+                     "losses": run["losses"], "flag": " ".join(flags)})
+    return rows

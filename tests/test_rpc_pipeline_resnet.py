@@ -24,7 +24,7 @@ from conftest import run_cli, run_torchrun
 from distkit.timeline import read_chrome_trace
 from rpc_pipeline_resnet.main import (WORKERS, build_parser, check_args, final_feature_size,
                                       main, rpc_backend_options, run_worker, write_trace)
-from rpc_pipeline_resnet.measure import state_digest
+from rpc_pipeline_resnet.measure import report, state_digest
 from rpc_pipeline_resnet.model import DistResNet50, ResNetShard1, ResNetShard2
 
 NUM_CLASSES, BATCH = 10, 7
@@ -314,3 +314,19 @@ def test_trace_ranks_share_one_clock(traced):
             assert master["recv"].start <= min(s.start for s in shards if s.kind == "F")
             assert master["wait"].end >= max(s.end for s in shards if s.kind == "B")
             assert master["wait"].start <= min(s.start for s in shards if s.kind == "B")
+
+
+def _run(m: int, time: float, cpu: float, cores: int = 2) -> dict:
+    return {"num_split": m, "time": time, "batch_cpu": [cpu], "floor": cpu / cores,
+            "cpu_times": [cpu / 2, cpu / 2], "faults": [0], "losses": [1.0]}
+
+
+def test_speed_up_above_the_machine_bound_is_reported_as_an_error():
+    # the order of --splits does not matter: the base is the fewest splits
+    rows = {r["splits"]: r for r in report([_run(8, 1.6, 3.0), _run(1, 4.0, 4.0), _run(2, 2.5, 4.2)])}
+    assert rows[1]["bound"] == rows[8]["bound"] == pytest.approx(2.0)  # 4 s of work on 2 cores
+    assert rows[2]["speed-up"] == pytest.approx(1.6) and rows[2]["flag"] == ""
+    # 2.5x: faster than the base's work allows on 2 cores (the base did avoidable work)
+    assert rows[8]["speed-up"] == pytest.approx(2.5) and rows[8]["flag"] == "ERROR: above bound"
+    assert rows[8]["work"] == pytest.approx(0.75)
+    assert "ERROR: busier than the cores" in report([_run(1, 1.0, 3.0)])[0]["flag"]
