@@ -2,7 +2,7 @@
 
     python scripts/bench_rpc_pipeline_resnet.py --quick                       # seconds: a smoke run
     python scripts/bench_rpc_pipeline_resnet.py --plot docs/results/rpc_pipeline_resnet.png
-                                                                              # ~4 min on 2 cores
+                                    # 8 min on the loaded 2-core machine; idle under 5 (estimate)
 
 Configurations: a sweep over work per micro-batch (``--sizes``: image sizes at ``--sweep_splits``
 micro-batches) and a split table (``--splits`` at ``--table_size``), batches of ``--batch_size``.
