@@ -116,8 +116,9 @@ def run_master(num_split: int, args: argparse.Namespace) -> dict:
                for i, name in enumerate(WORKERS)]
     # put the two model parts on worker1 and worker2 respectively; built from --seed, so
     # every split value starts from the same weights
+    trace = getattr(args, "trace", None) is not None  # a Namespace built by hand may lack it
     model = DistResNet50(num_split, WORKERS, devices, num_classes=args.num_classes,
-                         seed=args.seed, trace=args.trace is not None)
+                         seed=args.seed, trace=trace)
     digests = [rpc.rpc_sync(r.owner(), _digest, args=(r,)) for r in (model.p1_rref, model.p2_rref)]
     loss_fn = nn.MSELoss()
     opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=args.lr)
@@ -165,7 +166,7 @@ def run_master(num_split: int, args: argparse.Namespace) -> dict:
             cpu_times = [t + a["cpu"] - b["cpu"] for t, b, a in zip(cpu_times, before[1:], after[1:])]
         losses.append(loss.item())
     log.info(f"number of splits = {num_split}, execution time = {sum(batch_times)}")
-    spans = spans_to_dicts(rec.spans) + model.take_spans() if args.trace is not None else []
+    spans = spans_to_dicts(rec.spans) + model.take_spans() if trace else []
     return {"num_split": num_split, "time": sum(batch_times), "losses": losses,
             "batch_times": batch_times, "cpu_times": cpu_times, "devices": [str(d) for d in devices],
             # measured CPU work (all three processes) and the wall time it needs at least
@@ -184,7 +185,7 @@ def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOpt
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
     """Rank 0 is the master and trains; ranks 1 and 2 host the shards and wait for its RPCs."""
-    if not args.default_malloc:
+    if not getattr(args, "default_malloc", False):
         steady_malloc()  # before the large tensors: see measure.py
     torch.manual_seed(args.seed + worker.rank)
     options = rpc_backend_options(args)
