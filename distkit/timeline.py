@@ -137,8 +137,8 @@ def plot_timelines(path: str | Path, panels: Sequence[tuple[str, Sequence[Span]]
     Compute spans are coloured by micro-batch and labelled ("F3", "B3", "W3"); a backward
     is hatched, a weight-gradient cross-hatched; waits are thin grey bars under the row.
     Blank space in a row is idle time. Compute spans of one rank that overlap in time (a
-    rank working on two micro-batches at once) are stacked in thinner lanes of its row. A panel whose spans are in abstract units (a
-    planned schedule) is drawn in those units when ``unit`` is ""; measured panels start
+    rank working on two micro-batches at once) are stacked in thinner lanes of its row.
+    A panel whose spans are in abstract units (a planned schedule) is drawn in those units when ``unit`` is ""; measured panels start
     at their earliest span.
     """
     import matplotlib
