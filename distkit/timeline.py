@@ -116,14 +116,29 @@ def spans_from_dicts(rows: Sequence[dict]) -> list[Span]:
     return [Span(**r) for r in rows]
 
 
+def _lanes(spans: Sequence[Span]) -> tuple[dict[int, int], dict[int, int]]:
+    """Greedy interval partitioning of each rank's compute spans: (lane of span i, lanes per rank)."""
+    lane: dict[int, int] = {}
+    ends: dict[int, list[float]] = {}
+    order = sorted((i for i, s in enumerate(spans) if s.kind in COMPUTE), key=lambda i: spans[i].start)
+    for i in order:
+        s, free = spans[i], ends.setdefault(spans[i].rank, [])
+        k = next((k for k, end in enumerate(free) if end <= s.start), len(free))
+        free[k:k + 1] = [s.end]
+        lane[i] = k
+    return lane, {rank: max(1, len(free)) for rank, free in ends.items()} | {
+        s.rank: 1 for s in spans if s.rank not in ends}
+
+
 def plot_timelines(path: str | Path, panels: Sequence[tuple[str, Sequence[Span]]],
                    title: str = "", unit: str = "ms") -> Path:
     """Draw each panel (a title and its spans) with one row per rank on one time axis.
 
     Compute spans are coloured by micro-batch and labelled ("F3", "B3", "W3"); a backward
     is hatched, a weight-gradient cross-hatched; waits are thin grey bars under the row.
-    Blank space in a row is idle time. A panel whose spans are in abstract units (a
-    planned schedule) is drawn in those units when ``unit`` is ""; measured panels start
+    Blank space in a row is idle time. Compute spans of one rank that overlap in time (a
+    rank working on two micro-batches at once) are stacked in thinner lanes of its row.
+    A panel whose spans are in abstract units (a planned schedule) is drawn in those units when ``unit`` is ""; measured panels start
     at their earliest span.
     """
     import matplotlib
@@ -147,13 +162,16 @@ def plot_timelines(path: str | Path, panels: Sequence[tuple[str, Sequence[Span]]
         row = {r: i for i, r in enumerate(ranks)}
         # a rank with several stages: "2F3" is stage 2's forward of micro-batch 3 (PyTorch's notation)
         several = len({(s.rank, s.stage) for s in spans if s.kind in COMPUTE}) > len(ranks)
-        for s in spans:
+        lane, lanes = _lanes(spans)
+        for i, s in enumerate(spans):
             y = row[s.rank]
             x0, w = (s.start - origin) * scale, max(0.0, s.end - s.start) * scale
             if s.kind in COMPUTE:
                 color = cmap((s.microbatch or 0) % 10)
-                ax.broken_barh([(x0, w)], (y - 0.35, 0.7), facecolors=color, edgecolor="black",
-                               linewidth=0.4, hatch=hatch[s.kind])
+                height = 0.7 / lanes[s.rank]
+                y = y - 0.35 + (lane[i] + 0.5) * height
+                ax.broken_barh([(x0, w)], (y - height / 2, height), facecolors=color,
+                               edgecolor="black", linewidth=0.4, hatch=hatch[s.kind])
                 ax.text(x0 + w / 2, y, f"{s.stage}{s.label}" if several and s.stage is not None else s.label,
                         ha="center", va="center", fontsize=6, clip_on=True)
             else:

@@ -7,7 +7,8 @@ rpc/pipeline/main.py). Three processes, roles by rank:
   rank 1  "worker1": owns ResNetShard1 (conv1 .. layer2)
   rank 2  "worker2": owns ResNetShard2 (layer3 .. fc)
 Each batch is cut into N micro-batches ("splits") that flow through the two shards as a
-pipeline; the master trains a fresh model for every N in --splits and times it.
+pipeline; the master trains a fresh model for every N in --splits (the same initial
+weights for every N: --seed) and times it.
 
 Run on one machine (spawns the three processes; CPU + gloo unless GPUs are visible: with
 two GPUs the shards use cuda:0 and cuda:1, with one they share cuda:0):
@@ -15,14 +16,16 @@ two GPUs the shards use cuda:0 and cuda:1, with one they share cuda:0):
     python rpc_pipeline_resnet/main.py --batch_size 120 --image_size 128 --splits 1 2 4 8
 One rank per process under torchrun works too:
     torchrun --nproc_per_node 3 rpc_pipeline_resnet/main.py
-Prints "number of splits = N, execution time = T" for each N, then a speed-up table.
+Prints "number of splits = N, execution time = T" for each N, then a table: every speed-up
+beside the machine's bound (and the classic two-stage 2m/(m+1)). Measured timelines:
+    python rpc_pipeline_resnet/main.py --splits 1 4 --trace traces/   # Perfetto JSON + PNG
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-import time
+from pathlib import Path
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -32,6 +35,10 @@ import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
 
 import distkit
+from distkit.timeline import (Recorder, clock, plot_timelines, spans_from_dicts, spans_to_dicts,
+                              write_chrome_trace)
+from rpc_pipeline_resnet.measure import (batch_floor, process_stats, report, state_digest,
+                                         steady_malloc)
 from rpc_pipeline_resnet.model import NUM_CLASSES, DistResNet50
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_classes", type=int, default=NUM_CLASSES, help="classes (fc outputs)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="write measured per-rank timelines here: splits_N.json (Chrome "
+                             "trace events, opens in Perfetto) per split value, timeline.png")
+    parser.add_argument("--default_malloc", action="store_true",
+                        help="leave glibc's malloc settings alone (page faults then make the "
+                             "timings depend on what ran before; see the README)")
     distkit.add_launch_args(parser, world_size=3, rpc_timeout=120)
     return parser
 
@@ -95,9 +108,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--device cuda was asked for, but no CUDA device is visible")
 
 
-def worker_cpu_times() -> list[float]:
-    """CPU seconds each shard's process has used so far (all its threads)."""
-    return [rpc.rpc_sync(name, time.process_time) for name in WORKERS]
+def all_stats() -> list[dict]:
+    """process_stats of the master, worker1 and worker2, read as close together as RPC allows."""
+    futures = [rpc.rpc_async(name, process_stats) for name in WORKERS]
+    return [process_stats(), *(f.wait() for f in futures)]
+
+
+def _digest(module_rref) -> str:
+    return state_digest(module_rref.local_value())
 
 
 def run_master(num_split: int, args: argparse.Namespace, states: bool = False) -> dict:
@@ -110,40 +128,67 @@ def run_master(num_split: int, args: argparse.Namespace, states: bool = False) -
     # cuda:i with two GPUs, both share cuda:0 with one, CPU with none or --device cpu)
     devices = [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i))
                for i, name in enumerate(WORKERS)]
-    # put the two model parts on worker1 and worker2 respectively
-    model = DistResNet50(num_split, WORKERS, devices, num_classes=args.num_classes)
+    # put the two model parts on worker1 and worker2 respectively; built from --seed, so
+    # every split value starts from the same weights
+    trace = getattr(args, "trace", None) is not None  # a Namespace built by hand may lack it
+    model = DistResNet50(num_split, WORKERS, devices, num_classes=args.num_classes,
+                         seed=args.seed, trace=trace)
+    digests = [rpc.rpc_sync(r.owner(), _digest, args=(r,)) for r in (model.p1_rref, model.p2_rref)]
     loss_fn = nn.MSELoss()
     opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=args.lr)
-    before = model.shard_states() if states else None
+    initial = model.shard_states() if states else None
+    rec = Recorder(0)
 
     # the same seeded data for every num_split, so the runs differ only in pipelining
     gen = torch.Generator().manual_seed(args.seed)
     one_hot_indices = torch.randint(0, args.num_classes, (args.batch_size, 1), generator=gen)
-    losses, batch_times, cpu_times = [], [], [0.0, 0.0]
+    losses, batch_times, cpu_times, windows = [], [], [0.0, 0.0], []
+    batch_cpu, floor_times, faults = [], [], []
     for i in range(args.warmup + args.num_batches):
         timed = i >= args.warmup
         log.info(f"Processing batch {i}" + ("" if timed else " (warm-up, not timed)"))
         # generate random inputs and labels
         inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
         labels = torch.zeros(args.batch_size, args.num_classes).scatter_(1, one_hot_indices, 1)
-        cpu_before = worker_cpu_times()
-        tik = time.perf_counter()
+        # the wall clock runs from before the CPU clocks are read to after they are read
+        # again: every CPU second they count falls inside it, so CPU / cores <= wall holds
+        tik = clock()
+        before = all_stats()
         # the context collects the gradients on every worker the forward pass touched; there
         # is no zero_grad because each batch gets a fresh context (and fresh gradients)
         with dist_autograd.context() as context_id:
+            t0 = clock()
             outputs = model(inputs)
+            t1 = clock()
             loss = loss_fn(outputs, labels)
+            t2 = clock()
             dist_autograd.backward(context_id, [loss])
+            t3 = clock()
             opt.step(context_id)
+            t4 = clock()
+        after = all_stats()
+        tok = clock()
+        for kind, start, end in (("recv", t0, t1), ("loss", t1, t2), ("wait", t2, t3),
+                                 ("step", t3, t4)):
+            rec.add(kind, start, end)  # the master waits for logits, gradients, the step
+        windows.append((tik, tok))
         if timed:
-            batch_times.append(time.perf_counter() - tik)
-            cpu_times = [t + b - a for t, a, b in zip(cpu_times, cpu_before, worker_cpu_times())]
+            batch_times.append(tok - tik)
+            cpu, floor, n_faults = batch_floor(before, after)
+            batch_cpu.append(cpu)
+            floor_times.append(floor)
+            faults.append(n_faults)
+            cpu_times = [t + a["cpu"] - b["cpu"] for t, b, a in zip(cpu_times, before[1:], after[1:])]
         losses.append(distkit.check_finite(loss.item(), f"batch {i} with {num_split} splits"))
     log.info(f"number of splits = {num_split}, execution time = {sum(batch_times)}")
+    spans = spans_to_dicts(rec.spans) + model.take_spans() if trace else []
     result = {"num_split": num_split, "time": sum(batch_times), "losses": losses,
-              "batch_times": batch_times, "cpu_times": cpu_times, "devices": [str(d) for d in devices]}
+              "batch_times": batch_times, "cpu_times": cpu_times, "devices": [str(d) for d in devices],
+              # measured CPU work (all three processes) and the wall time it needs at least
+              "batch_cpu": batch_cpu, "floor": sum(floor_times), "faults": faults,
+              "init_digests": digests, "windows": windows[args.warmup:], "spans": spans}
     if states:
-        result |= {"before": before, "after": model.shard_states()}
+        result |= {"before": initial, "after": model.shard_states()}
     return result
 
 
@@ -157,6 +202,8 @@ def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOpt
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
     """Rank 0 is the master and trains; ranks 1 and 2 host the shards and wait for its RPCs."""
+    if not getattr(args, "default_malloc", False):
+        steady_malloc()  # before the large tensors: see measure.py
     torch.manual_seed(args.seed + worker.rank)
     options = rpc_backend_options(args)
     if worker.rank == 0:
@@ -175,6 +222,22 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] |
     return results
 
 
+def write_trace(directory: str, runs: list[dict]) -> list[Path]:
+    """splits_N.json per split value (all ranks, one clock) and timeline.png (last timed batch)."""
+    paths, panels = [], []
+    for run in runs:
+        spans = spans_from_dicts(run["spans"])
+        m = run["num_split"]
+        paths.append(write_chrome_trace(Path(directory) / f"splits_{m}.json", spans))
+        start, end = run["windows"][-1]
+        last = [s for s in spans if start <= s.start <= end]
+        panels.append((f"{m} split{'s' * (m > 1)}: last timed batch, {end - start:.2f} s "
+                       f"(rank 0 master, rank 1 shard 1, rank 2 shard 2)", last))
+    paths.append(plot_timelines(Path(directory) / "timeline.png", panels,
+                                title="rpc_pipeline_resnet: measured timeline per rank"))
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -185,14 +248,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"devices: worker1 {runs[0]['devices'][0]}, worker2 {runs[0]['devices'][1]}; batches of "
           f"{args.batch_size} x 3 x {args.image_size} x {args.image_size}; {args.num_batches} timed "
           f"after {args.warmup} warm-up")
-    # busy = (CPU seconds of both shard processes) / wall seconds: about 1 when the shards
-    # take turns, up to 2 when they really run side by side (CPU runs only)
-    print("splits  time (s)  speed-up  shard CPU (s)  busy  loss of each batch")
-    for run in runs:
-        cpu1, cpu2 = run["cpu_times"]
-        print(f"{run['num_split']:6d}  {run['time']:8.2f}  {runs[0]['time'] / run['time']:7.2f}x  "
-              f"{cpu1:6.2f} {cpu2:6.2f}  {(cpu1 + cpu2) / run['time']:4.2f}  "
-              f"{' '.join(f'{x:.4f}' for x in run['losses'])}")
+    # speed-up over the fewest splits; bound: the machine's (the base's CPU work over the
+    # cores); 2m/(m+1): two equal serial stages, which these shards are not (the README);
+    # busy = CPU seconds of all three processes / wall seconds (at most the cores);
+    # work = CPU seconds / the base's; faults: page faults per batch, all processes
+    print("splits  time (s)  speed-up  bound  2m/(m+1)  busy  work  shard CPU (s)  faults  "
+          "loss of each batch")
+    for r in report(runs):
+        print(f"{r['splits']:6d}  {r['time']:8.2f}  {r['speed-up']:7.2f}x {r['bound']:5.2f}x "
+              f"{r['classic']:8.2f}x  {r['busy']:4.2f}  {r['work']:4.2f}  "
+              f"{r['cpu'][0]:6.2f} {r['cpu'][1]:6.2f}  {r['faults']:6.0f}  "
+              f"{' '.join(f'{x:.4f}' for x in r['losses'])}{'  ' + r['flag'] if r['flag'] else ''}")
+    if args.trace is not None:
+        for path in write_trace(args.trace, runs):
+            print(f"trace written to {path}")
     return 0
 
 

@@ -30,20 +30,26 @@ def test_bench_rpc_pipeline_resnet(capsys, tmp_path):
     from bench_rpc_pipeline_resnet import HEADER
 
     plot = tmp_path / "resnet.png"
+    # --quick, cut to two configurations: the sweep's (32 px, 2 splits) and the table's 1 split;
+    # one thread for the "user" reference too (two OpenMP threads crawl on a loaded machine)
     rows, out = run_bench("bench_rpc_pipeline_resnet",
-                          ["--splits", "2", "--batch_size", "4", "--image_size", "33",
-                           "--num_batches", "1", "--num_classes", "10", "--shard_reps", "1",
-                           "--plot", str(plot)], capsys)
+                          ["--quick", "--sizes", "32", "--splits", "1", "--table_size", "32",
+                           "--user_threads", "1", "--plot", str(plot)], capsys)
     assert out.startswith("# machine:")
-    assert [(r["splits"], r["micro-batch"]) for r in rows] == [(1, 4), (2, 2)]  # 1 split added
-    assert_finite(rows, HEADER)
+    assert [(r["image"], r["m"]) for r in rows] == [(32, 2), (32, 1)]
+    assert_finite(rows, [k for k in HEADER if k != "flag"])
     for r in rows:
-        assert r["s/batch"] > 0 and r["a (s)"] > 0 and r["b (s)"] > 0
-        assert r["bound (s)"] == pytest.approx(r["a (s)"] + r["b (s)"] + (r["splits"] - 1)
-                                               * max(r["a (s)"], r["b (s)"]))
-        assert r["eff."] == pytest.approx(r["bound (s)"] / r["s/batch"])
+        assert min(r["s/batch"], r["floor"], r["user s"], r["seq s"], r["GFLOP/mb"]) > 0
+        # every speed-up beside its bound, both against the machine's floor
+        assert r["x user"] == pytest.approx(r["user s"] / r["s/batch"])
+        assert r["bound"] == pytest.approx(r["user s"] / r["floor"])
+        assert r["x seq"] == pytest.approx(r["seq s"] / r["s/batch"])
+        assert r["bound "] == pytest.approx(r["seq s"] / r["floor"])
+        assert r["eff."] == pytest.approx(r["x seq"] / r["bound "])
+        assert r["2m/(m+1)"] == pytest.approx(2 * r["m"] / (r["m"] + 1))
+        assert r["flag"] == ("ERROR: above bound" if r["x seq"] > r["bound "] else "")
         assert len(r["losses"]) == 2  # warm-up + timed batch: the example really trained
-    assert rows[0]["speed-up"] == 1
+    assert rows[1]["GFLOP/mb"] == pytest.approx(2 * rows[0]["GFLOP/mb"])  # 4 images, then 2
     assert plot.stat().st_size > 0
 
 
@@ -98,7 +104,7 @@ def test_step_seconds_drops_warmup():
 
 @pytest.mark.parametrize("script, argv, message", [
     ("scripts/bench_rpc_pipeline_resnet.py", ["--splits", "32"], "--splits values must be in 1..16"),
-    ("scripts/bench_rpc_pipeline_resnet.py", ["--shard_reps", "0"], "--shard_reps and --warmup must be at least 1"),
+    ("scripts/bench_rpc_pipeline_resnet.py", ["--reps", "0"], "--reps must be at least 1"),
     ("scripts/bench_pipelining_transformer.py", ["--schedules", "nope"], "unknown schedule 'nope'"),
     ("scripts/bench_pipelining_transformer.py", ["--microbatches", "3"], "is not divisible by --n_microbatches 3"),
     ("scripts/bench_pipelining_transformer.py", ["--sweep", "--points", "6x8"], "is not divisible by --n_microbatches 8"),

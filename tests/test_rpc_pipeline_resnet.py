@@ -7,7 +7,9 @@ copies of the shards built from the same initial weights.
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +22,11 @@ from torch.distributed.rpc import RRef
 
 import distkit
 from conftest import run_cli, run_torchrun
+from distkit.timeline import read_chrome_trace
 from rpc_pipeline_resnet.main import (WORKERS, build_parser, check_args, final_feature_size,
-                                      main, rpc_backend_options, run_master, run_worker)
+                                      main, rpc_backend_options, run_master, run_worker,
+                                      write_trace)
+from rpc_pipeline_resnet.measure import report, state_digest
 from rpc_pipeline_resnet.model import DistResNet50, ResNetShard1, ResNetShard2
 
 NUM_CLASSES, BATCH = 10, 7
@@ -238,12 +243,15 @@ SMALL = ("--batch_size", "4", "--image_size", "32", "--num_batches", "1", "--war
          "--num_classes", "10", "--splits", "1", "2")
 
 
-def test_cli_small_run_prints_every_split():
-    proc = run_cli("rpc_pipeline_resnet/main.py", *SMALL)
+def test_cli_small_run_prints_every_split(tmp_path):
+    proc = run_cli("rpc_pipeline_resnet/main.py", *SMALL, "--trace", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for n in (1, 2):
         assert f"number of splits = {n}, execution time = " in proc.stdout
     assert "devices: worker1 cpu, worker2 cpu" in proc.stdout
+    assert "speed-up  bound  2m/(m+1)" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["splits_1.json", "splits_2.json",
+                                                          "timeline.png"]
 
 
 def test_torchrun_launch():
@@ -286,3 +294,96 @@ def test_bad_input_cli_is_one_line_exit_2(argv, message):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert "[rank" not in proc.stdout  # nothing was spawned
+
+
+# --- seeds and traces: the example's own run_master, two split values, --trace ---------------
+TRACE_SPLITS, TRACE_BATCHES = (1, 3), 2
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> tuple[list[dict], Path]:
+    """run_worker exactly as main() launches it; 6 images of 32x32 (micro-batches of 2 at 3 splits)."""
+    args = make_args("--splits", *map(str, TRACE_SPLITS), "--batch_size", "6", "--image_size", "32",
+                     "--num_batches", str(TRACE_BATCHES), "--warmup", "0", "--num_classes", "10",
+                     "--trace", str(tmp_path_factory.mktemp("trace")))
+    runs = distkit.launch(run_worker, args)[0]
+    write_trace(args.trace, runs)  # what main() does with them
+    return runs, Path(args.trace)
+
+
+def test_every_split_value_starts_from_the_same_weights(traced):
+    runs, _ = traced
+    # one digest per shard, equal for every split value (the workers' global generators
+    # have moved on between the runs: without the seed they differ)
+    assert len({tuple(r["init_digests"]) for r in runs}) == 1
+    assert len(set(runs[0]["init_digests"])) == 2
+
+
+def test_seed_fixes_the_weights_whatever_ran_before():
+    a = ResNetShard1("cpu", num_classes=2, seed=3)
+    torch.randn(100)  # the global generator moves on
+    assert state_digest(ResNetShard1("cpu", num_classes=2, seed=3)) == state_digest(a)
+    assert state_digest(ResNetShard1("cpu", num_classes=2, seed=4)) != state_digest(a)
+
+
+def _by_batch(run: dict, spans: list) -> list[list]:
+    """The spans of each timed batch: those that start inside the master's window of it."""
+    return [[s for s in spans if start <= s.start <= end] for start, end in run["windows"]]
+
+
+def test_trace_has_every_forward_and_backward_once_in_pipeline_order(traced):
+    runs, trace_dir = traced
+    assert (trace_dir / "timeline.png").stat().st_size > 0
+    for run in runs:
+        m = run["num_split"]
+        path = trace_dir / f"splits_{m}.json"
+        assert json.loads(path.read_text())["traceEvents"]  # valid JSON, Chrome's format
+        spans = read_chrome_trace(path)
+        batches = _by_batch(run, spans)
+        assert len(batches) == TRACE_BATCHES and sum(map(len, batches)) == len(spans)
+        for batch in batches:
+            got = {}
+            for s in batch:
+                if s.kind in ("F", "B"):
+                    key = (s.rank, s.stage, s.kind, s.microbatch)
+                    assert key not in got, f"{key} twice in one batch"
+                    got[key] = s
+            # shard 1 (stage 0) is rank 1, shard 2 (stage 1) rank 2
+            assert set(got) == {(1 + st, st, k, i) for st in (0, 1) for k in "FB" for i in range(m)}
+            for i in range(m):
+                # shard 2's forward of i needs shard 1's output of i; shard 1's backward of
+                # i needs the gradient shard 2 sends back
+                assert got[2, 1, "F", i].start >= got[1, 0, "F", i].end
+                assert got[1, 0, "B", i].start >= got[2, 1, "B", i].end
+                assert got[2, 1, "B", i].start >= got[2, 1, "F", i].end
+
+
+def test_trace_ranks_share_one_clock(traced):
+    runs, trace_dir = traced
+    for run in runs:
+        spans = read_chrome_trace(trace_dir / f"splits_{run['num_split']}.json")
+        for batch in _by_batch(run, spans):
+            master = {s.kind: s for s in batch if s.rank == 0}
+            shards = [s for s in batch if s.rank > 0 and s.kind in ("F", "B")]
+            # the master's waits bracket the shards' work on the same axis: the logits
+            # arrive after the last forward, the backward returns after the last backward
+            assert master["recv"].end >= max(s.end for s in shards if s.kind == "F")
+            assert master["recv"].start <= min(s.start for s in shards if s.kind == "F")
+            assert master["wait"].end >= max(s.end for s in shards if s.kind == "B")
+            assert master["wait"].start <= min(s.start for s in shards if s.kind == "B")
+
+
+def _run(m: int, time: float, cpu: float, cores: int = 2) -> dict:
+    return {"num_split": m, "time": time, "batch_cpu": [cpu], "floor": cpu / cores,
+            "cpu_times": [cpu / 2, cpu / 2], "faults": [0], "losses": [1.0]}
+
+
+def test_speed_up_above_the_machine_bound_is_reported_as_an_error():
+    # the order of --splits does not matter: the base is the fewest splits
+    rows = {r["splits"]: r for r in report([_run(8, 1.6, 3.0), _run(1, 4.0, 4.0), _run(2, 2.5, 4.2)])}
+    assert rows[1]["bound"] == rows[8]["bound"] == pytest.approx(2.0)  # 4 s of work on 2 cores
+    assert rows[2]["speed-up"] == pytest.approx(1.6) and rows[2]["flag"] == ""
+    # 2.5x: faster than the base's work allows on 2 cores (the base did avoidable work)
+    assert rows[8]["speed-up"] == pytest.approx(2.5) and rows[8]["flag"] == "ERROR: above bound"
+    assert rows[8]["work"] == pytest.approx(0.75)
+    assert "ERROR: busier than the cores" in report([_run(1, 1.0, 3.0)])[0]["flag"]
