@@ -108,11 +108,14 @@ def init_distributed(device_preference: str = "auto") -> DistEnv:
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    # a GPU per process on this machine, or the CPU for all (never cuda:<rank> by fiat)
-    device = distkit.pick_device(device_preference, local_rank, min_gpus=local_world_size)
+    # a GPU per process on this machine, or the CPU for all (never cuda:<rank> by fiat,
+    # never two ranks on one GPU); the same backend on every machine, or a one-line error
+    where = distkit.group_placement(device_preference, local_rank, local_world_size)
+    distkit.agree_on_backend("pp", rank, world_size, where)
+    device = where.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=distkit.backend_for(device))
+    dist.init_process_group(backend=where.backend)
     # the group that carries the stages' send/recv: a sub-group once PP is one of N dims
     pp_group = dist.new_group()
     return DistEnv(rank, world_size, device, pp_group)

@@ -83,13 +83,15 @@ class ResNetShard1(ResNetBase):
             nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
             self._make_layer(64, 3),
             self._make_layer(128, 4, stride=2),
-        ).to(self.device)
+        )
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.constant_(m.weight, 1)
                 nn.init.constant_(m.bias, 0)
+        # initialised on the CPU, then moved: a seed gives the same weights on CPU and GPU
+        self.seq.to(self.device)
 
     def forward(self, x_rref: RRef) -> torch.Tensor:
         x = x_rref.to_here().to(self.device)

@@ -107,6 +107,7 @@ class LocalRNNModel(nn.Module):
         return self.decoder(output), hidden
 
 
+@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
 def test_distributed_step_matches_single_process():
     argv = [x for k, v in SIZES.items() for x in (f"--{k}", str(v))]
     args = make_args(*argv, "--pattern_len", "5")
