@@ -97,6 +97,7 @@ def test_pipeline_falls_back_or_refuses_rather_than_share_a_gpu(monkeypatch, cap
     assert decide("pipelining_transformer", "--world_size", "4") == ["cpu gloo"] * 4
     assert decide("pipelining_transformer", "--world_size", "4", "--device", "cuda") == "refused"
     err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
     assert "runs 4 processes of the group with 2 GPU(s) visible" in err, err
     fake_gpus(monkeypatch, 4)
     assert decide("pipelining_transformer", "--world_size", "4", "--device", "cuda") == [
@@ -121,11 +122,11 @@ def test_machines_of_one_job_decide_for_their_own_ranks(monkeypatch):
 
 def test_under_torchrun_each_process_checks_itself(monkeypatch, capsys):
     fake_gpus(monkeypatch, 2)
-    monkeypatch.setenv("RANK", "5")
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert decide("pipelining_transformer") == ["cuda:1 nccl"]
+    # rank 3 of 4, the second process of a 2-process machine with 2 GPUs
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert decide("pipelining_transformer") == ["cuda:1 nccl"], capsys.readouterr().err
+    # ... or of a 4-process machine with 2 GPUs
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert decide("pipelining_transformer", "--device", "cuda") == "refused"
     assert "runs 4 processes of the group with 2 GPU(s)" in capsys.readouterr().err
