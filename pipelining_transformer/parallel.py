@@ -136,6 +136,7 @@ def manual_model_split(model: Transformer, stage_index: int, num_stages: int, la
     model.to(device)
     stage = PipelineStage(model, stage_index, num_stages, device, group=pp_group)
     _send_contiguous_input_grads(stage)
+    _skip_warmup_with_itself(stage)
     return stage
 
 
@@ -177,7 +178,8 @@ def _skip_warmup_with_itself(stage: PipelineStage) -> None:
     ``build_stage``'s stages greet both neighbours with a send and a receive before the
     first step, even a neighbour on the same rank (ZBV and DualPipeV put the middle two
     stages on one rank); gloo cannot send to itself ("Pair is not connected"). Stages on one
-    rank hand activations over in memory, so nothing is lost.
+    rank hand activations over in memory, so nothing is lost. Older multi-stage schedules
+    (torch 2.10) greet the neighbours of manual stages too, so those get it as well.
     """
     neighbour_ops = stage._get_init_p2p_neighbors_ops
 
