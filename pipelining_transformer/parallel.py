@@ -181,7 +181,11 @@ def _skip_warmup_with_itself(stage: PipelineStage) -> None:
     rank hand activations over in memory, so nothing is lost. Older multi-stage schedules
     (torch 2.10) greet the neighbours of manual stages too, so those get it as well.
     """
-    neighbour_ops = stage._get_init_p2p_neighbors_ops
+    # private API (no public hook filters the warm-up); torch 2.15 no longer has it, and
+    # then there is no such warm-up to patch
+    neighbour_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if neighbour_ops is None:
+        return
 
     def without_self() -> list[dist.P2POp]:
         return [op for op in neighbour_ops() if op.group_peer != stage.group_rank]
