@@ -64,16 +64,24 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     distkit.require_positive(parser, "--lr", args.lr)
     if args.seed < 0:
         parser.error(f"--seed must be non-negative, got {args.seed}")
-    if args.device == "cuda" and not distkit.under_torchrun():
-        local_trainers = sum(r < num_trainers(args.world_size)
-                             for r in distkit.parse_ranks(args.ranks, args.world_size))
-        if distkit.gpu_count() < local_trainers:
-            parser.error(f"--device cuda needs a GPU per trainer: {local_trainers} trainers here, "
-                         f"{distkit.gpu_count()} GPUs visible")
+    distkit.check_placements(parser, args, placement)
 
 
 def num_trainers(world_size: int) -> int:
     return world_size - 2
+
+
+def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+    """A trainer: a GPU of its own and NCCL where its machine has one per trainer, else the
+    CPU and gloo. The master and the parameter server: the CPU, in no process group."""
+    trainers = num_trainers(worker.world_size)
+    if worker.rank >= trainers:
+        return distkit.Placement(torch.device("cpu"))
+    # the ranks of one machine are consecutive and trainers come first: this machine's
+    # trainers are its first ones, and local_rank numbers them
+    first_here = worker.rank - worker.local_rank
+    local_trainers = min(trainers, first_here + worker.local_world_size) - first_here
+    return distkit.group_placement(args.device, worker.local_rank, local_trainers)
 
 
 def run_master(args: argparse.Namespace) -> dict:
@@ -128,6 +136,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     """Initialise each role as the tutorial does; the master returns what training did."""
     trainers = num_trainers(worker.world_size)
     master_rank, ps_rank = trainers, trainers + 1
+    distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
     options = TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
     # each process its own seed: the table is initialised on the parameter server, fc on
     # every trainer, and DDP must (and does) make all trainers start from rank 0's fc
@@ -138,8 +147,12 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
                      rpc_backend_options=options)
         result = run_master(args)
     elif worker.rank < trainers:
-        device = worker.device(min_gpus=trainers)
-        trainer.set_device(device)
+        where = placement(worker, args)
+        # trainers on several machines: all NCCL or all gloo, or one line saying who sees what
+        distkit.agree_on_backend("trainers", worker.rank, trainers, where)
+        if where.device.type == "cuda":
+            torch.cuda.set_device(where.device)
+        trainer.set_device(where.device)
         # The trainers' own process group for DDP (world size = number of trainers). It
         # rendezvouses under its own key prefix in the job's store, not on RPC's keys and
         # not on a second hard-coded port. Its timeout bounds DDP's allreduce: a trainer whose
@@ -149,7 +162,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
         # may start long after another: wait for all of them first, under the store's timeout.
         store.set(f"started{worker.rank}", "1")
         store.wait([f"started{r}" for r in range(trainers)])
-        dist.init_process_group(distkit.backend_for(device), store=store, rank=worker.rank,
+        dist.init_process_group(where.backend, store=store, rank=worker.rank,
                                 world_size=trainers, timeout=timedelta(seconds=args.rpc_timeout))
         rpc.init_rpc(f"trainer{worker.rank}", rank=worker.rank, world_size=worker.world_size,
                      rpc_backend_options=options)

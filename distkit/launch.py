@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from torch.distributed.constants import default_pg_timeout
 from multiprocessing import connection as mp_connection
 
-from .device import DEVICE_CHOICES, pick_device, threads_per_process
+from .device import DEVICE_CHOICES, DeviceError, Placement, pick_device, threads_per_process
 
 log = logging.getLogger("distkit")
 
@@ -185,6 +185,37 @@ def parse_ranks(spec: str | None, world_size: int) -> list[int]:
     return list(range(first, last + 1))
 
 
+def local_workers(args: argparse.Namespace) -> list[Worker]:
+    """The ``Worker`` of every process this command will run on this machine (before launch).
+
+    Under torchrun that is this process alone; spawned, one per rank of ``--ranks``. Ports
+    are not known yet (0): enough to decide devices, not to connect.
+    """
+    if under_torchrun():
+        return [_torchrun_worker(args)]
+    ranks = parse_ranks(args.ranks, args.world_size)
+    return [Worker(rank, args.world_size, i, len(ranks), args.master_addr or "127.0.0.1",
+                   args.master_port or 0, args.device) for i, rank in enumerate(ranks)]
+
+
+def check_placements(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     placement: Callable[[Worker, argparse.Namespace], Placement]) -> None:
+    """Ask an example's ``placement(worker, args)`` for every local process before any starts:
+    a device this machine cannot provide is a one-line error (exit 2), not a worker's crash."""
+    for worker in local_workers(args):
+        try:
+            placement(worker, args)
+        except DeviceError as e:
+            parser.error(str(e))
+
+
+def _torchrun_worker(args: argparse.Namespace) -> Worker:
+    env = os.environ
+    return Worker(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+                  int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+                  env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0)), args.device)
+
+
 def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Namespace) -> dict[int, Any]:
     """Run ``fn(worker, args)`` on every rank; return ``{rank: what fn returned}``.
 
@@ -196,11 +227,7 @@ def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Names
         # torchrun starts each worker in a session of its own, so a SIGKILLed torchrun (no
         # cleanup runs) would leave its workers training on: they die with it, as spawned ones do
         _die_with_parent()
-        env = os.environ
-        worker = Worker(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
-                        int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
-                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0)),
-                        args.device)
+        worker = _torchrun_worker(args)
         return {worker.rank: _run(fn, worker, args)}  # torchrun reports a failure itself
     return _spawn(fn, args)
 
@@ -249,6 +276,9 @@ def _wait(procs: list, ranks: list[int], result_dir: Path) -> None:
         failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
         if failed:
             _stop(procs)
+            refusals = sorted(result_dir.glob("*.refused"))
+            if refusals:  # a device the job cannot run with: its one line, as for bad flags
+                _die(refusals[0].read_text(), status=2)
             _die(_root_cause(failed, procs, ranks, result_dir))
         if all(p.exitcode == 0 for p in procs):
             return
@@ -330,6 +360,16 @@ def _run(fn: Callable, worker: Worker, args: argparse.Namespace, failure_file: s
     torch.set_num_threads(args.threads or threads_per_process(worker.local_world_size))
     try:
         result = fn(worker, args)
+    except DeviceError as e:
+        # a device choice this job cannot run with (machines that disagree): one line, no
+        # traceback, exit 2 as for a bad flag; spawned, the launcher prints it
+        if failure_file:
+            Path(failure_file).with_suffix(".refused").write_text(str(e))
+        cleanup(graceful=False)
+        if failure_file:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     except BaseException:
         if failure_file:  # before cleanup: cleaning up is what makes the peers fail next
             Path(failure_file).write_text(f"{time.time()}\n{traceback.format_exc()}")
@@ -337,6 +377,33 @@ def _run(fn: Callable, worker: Worker, args: argparse.Namespace, failure_file: s
         raise
     cleanup(graceful=True)
     return result
+
+
+_TORCHSCRIPT_OPTIMIZER_WARNING = "`TorchScript` support for functional optimizers is deprecated"
+
+
+def silence_torchscript_optimizer_warning() -> None:
+    """Hide PyTorch's DeprecationWarning for TorchScript functional optimizers, that one only.
+
+    ``DistributedOptimizer`` (which the RPC tutorials teach) builds a TorchScript
+    functional optimizer on every process that owns parameters, and each prints that
+    warning: ``torch.distributed.rpc`` is in maintenance mode and nothing the user can
+    change avoids it. Call it on every rank of a job that uses ``DistributedOptimizer``:
+    the owners (the remote side included) are where it is raised.
+    """
+    if getattr(warnings.showwarning, "quiet_torchscript_optimizer", False):
+        return
+    # PyTorch raises it under catch_warnings() + simplefilter("always"), which overrides
+    # any filter set here; what it shows still goes through warnings.showwarning
+    show = warnings.showwarning
+
+    def showwarning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, DeprecationWarning) and str(message).startswith(_TORCHSCRIPT_OPTIMIZER_WARNING):
+            return
+        show(message, category, *args, **kwargs)
+
+    showwarning.quiet_torchscript_optimizer = True  # type: ignore[attr-defined]
+    warnings.showwarning = showwarning
 
 
 def cleanup(graceful: bool = True) -> None:

@@ -162,6 +162,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.trace is not None and os.path.exists(args.trace) and not os.path.isdir(args.trace):
         parser.error(f"--trace {args.trace} is a file, not a directory")
     check_checkpoint_args(parser, args)
+    distkit.check_placements(parser, args, placement)
+
+
+def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+    """Every rank a GPU of its own and NCCL, or every rank of the machine on the CPU with
+    gloo (what ``parallel.init_distributed`` picks in the worker)."""
+    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
 
 
 def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

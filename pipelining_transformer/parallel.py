@@ -135,13 +135,16 @@ def init_distributed(device_preference: str = "auto", dp_size: int = 1) -> DistE
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % dp_size:
         raise ValueError(f"world size {world_size} is not divisible by dp_size {dp_size}")
-    # a GPU per process on this machine, or the CPU for all (never cuda:<rank> by fiat)
-    device = distkit.pick_device(device_preference, local_rank, min_gpus=local_world_size)
+    # a GPU per process on this machine, or the CPU for all (never cuda:<rank> by fiat,
+    # never two ranks on one GPU); the same backend on every machine, or a one-line error
+    where = distkit.group_placement(device_preference, local_rank, local_world_size)
+    distkit.agree_on_backend("pp", rank, world_size, where)
+    device = where.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # under torchrun, a store of this restart's own: a restarted group would otherwise meet
     # the addresses its killed predecessor left in torchrun's store (see distkit)
-    dist.init_process_group(backend=distkit.backend_for(device), store=distkit.process_group_store(),
+    dist.init_process_group(backend=where.backend, store=distkit.process_group_store(),
                             rank=rank, world_size=world_size)
     # row-major: rank = dp_rank * pp_size + pp_rank, so each pipeline replica is a block of
     # consecutive ranks (one machine's, with torchrun --nproc_per_node pp_size) and its
@@ -167,6 +170,7 @@ def manual_model_split(model: Transformer, stage_index: int, num_stages: int, la
     model.to(device)
     stage = PipelineStage(model, stage_index, num_stages, device, group=pp_group)
     _send_contiguous_input_grads(stage)
+    _skip_warmup_with_itself(stage)
     return stage
 
 
@@ -208,9 +212,14 @@ def _skip_warmup_with_itself(stage: PipelineStage) -> None:
     ``build_stage``'s stages greet both neighbours with a send and a receive before the
     first step, even a neighbour on the same rank (ZBV and DualPipeV put the middle two
     stages on one rank); gloo cannot send to itself ("Pair is not connected"). Stages on one
-    rank hand activations over in memory, so nothing is lost.
+    rank hand activations over in memory, so nothing is lost. Older multi-stage schedules
+    (torch 2.10) greet the neighbours of manual stages too, so those get it as well.
     """
-    neighbour_ops = stage._get_init_p2p_neighbors_ops
+    # private API (no public hook filters the warm-up); torch 2.15 no longer has it, and
+    # then there is no such warm-up to patch
+    neighbour_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if neighbour_ops is None:
+        return
 
     def without_self() -> list[dist.P2POp]:
         return [op for op in neighbour_ops() if op.group_peer != stage.group_rank]

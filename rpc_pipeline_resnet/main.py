@@ -104,8 +104,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"micro-batches of {smallest} image(s) of {args.image_size}x{args.image_size} "
                      f"give BatchNorm {in_layer3} value(s) per channel in layer3 and {in_layer4} in "
                      f"layer4 (training needs 4 and 2); use a larger --image_size or fewer splits")
-    if args.device == "cuda" and args.ranks is None and distkit.gpu_count() == 0:
-        parser.error("--device cuda was asked for, but no CUDA device is visible")
+    distkit.check_placements(parser, args, placement)
+
+
+def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+    """The master: the CPU. Shard i (rank i + 1): cuda:i with two GPUs on its machine, both
+    shards on cuda:0 with one, the CPU with none (what ``run_master`` asks each worker)."""
+    if worker.rank == 0:
+        return distkit.Placement(torch.device("cpu"))
+    return distkit.Placement(distkit.pick_device(args.device, worker.rank - 1))
 
 
 def all_stats() -> list[dict]:
@@ -205,6 +212,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] |
     if not getattr(args, "default_malloc", False):
         steady_malloc()  # before the large tensors: see measure.py
     torch.manual_seed(args.seed + worker.rank)
+    distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
     options = rpc_backend_options(args)
     if worker.rank == 0:
         rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)

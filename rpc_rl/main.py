@@ -77,6 +77,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--play {args.play}: no such file")
     if args.save is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
         parser.error(f"--save {args.save}: its directory does not exist")
+    distkit.check_placements(parser, args, placement)
+
+
+def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+    """Every rank on the CPU: a 4-input policy fed one observation at a time gains nothing
+    from a GPU, so --device cuda is refused rather than silently ignored."""
+    if args.device == "cuda":
+        raise distkit.DeviceError("rpc_rl runs on the CPU only (its policy is far too small "
+                                  "for a GPU to help); use --device auto or cpu")
+    return distkit.Placement(torch.device("cpu"))
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:

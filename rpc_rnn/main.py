@@ -69,9 +69,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     distkit.require_positive(parser, "--lr", args.lr)
-    ps_here = 0 in distkit.parse_ranks(args.ranks, args.world_size)
-    if args.device == "cuda" and ps_here and distkit.gpu_count() == 0:
-        parser.error("--device cuda needs a GPU on the parameter server (rank 0); none is visible")
+    distkit.check_placements(parser, args, placement)
+
+
+def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+    """The parameter server: its embedding table on a GPU of its machine where it has one
+    (what ``EmbeddingTable`` picks there). The trainer: the CPU. No process group."""
+    if worker.rank == 0:
+        return distkit.Placement(distkit.pick_device(args.device, worker.local_rank))
+    return distkit.Placement(torch.device("cpu"))
 
 
 def make_stream(ntoken: int, pattern_len: int, batch_size: int, length: int,
@@ -140,6 +146,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     # the ps draws the dropout masks of the embedding and the decoder (their weights come from
     # their own seeds, see rnn._uniform_), the trainer the LSTM's weights and dropout
     torch.manual_seed(args.seed)
+    distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
     if worker.rank == 0:
         rpc.init_rpc(PS_NAME, rank=0, world_size=worker.world_size, rpc_backend_options=options)

@@ -7,6 +7,7 @@ around the local LSTM, and every tensor crossing RPC is a CPU tensor.
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,8 @@ import torch.nn as nn
 from torch.distributed.rpc import RRef
 
 import distkit
+
+log = logging.getLogger(__name__)
 
 PS_NAME = "ps"
 TRAINER_NAME = "trainer"
@@ -75,6 +78,7 @@ class EmbeddingTable(nn.Module):
         # initialised before the move, so a seed gives the same weights on CPU and GPU
         _uniform_(self.encoder.weight, seed)
         self.encoder.to(self.device)
+        log.info(f"embedding table on {self.device}")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # RPC hands us CPU tensors and must be given CPU tensors back

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Tests must behave the same on a GPU machine: force the CPU and keep the processes of one
-# test from fighting over a small machine's cores.
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The CPU suite must behave the same on a GPU machine: it hides the GPUs (from this
+    # process and every one it starts). The GPU tier, selected with `-m cuda`, sees them.
+    if not re.search(r"(?<!not )\bcuda\b", config.getoption("markexpr") or ""):
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 
 def run_cli(*argv: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:

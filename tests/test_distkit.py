@@ -45,6 +45,7 @@ def _collective_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict
     return {"sum": t.item(), "threads": torch.get_num_threads(), "world": worker.world_size}
 
 
+@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
 def test_launch_runs_every_rank_and_returns_results():
     out = distkit.launch(_collective_worker, launch_args("--world_size", "3", "--threads", "1"))
     assert sorted(out) == [0, 1, 2]

@@ -118,6 +118,7 @@ def _reference(world_size: int) -> dict:
     return {"losses": losses, "grads": grads, "params": dict(model.named_parameters())}
 
 
+@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
 @pytest.mark.parametrize("world_size, schedule, split",
                          [(w, s, split) for w, (_, runs) in RUNS.items() for s, split in runs])
 def test_pipeline_step_equals_single_process(world_size, schedule, split):
