@@ -238,6 +238,22 @@ def incompatibility(path: str | os.PathLike, model_args: ModelArgs, optimizer: s
     return None
 
 
+def resume_path(resume: str | None, root: str | None, model_args: ModelArgs, optimizer: str,
+                data: Mapping[str, int]) -> str | None:
+    """The checkpoint that ``--resume`` names (``"latest"``: the newest complete one under
+    ``root``, None if there is none), once checked; ValueError (one line) if it cannot load."""
+    if resume is None:
+        return None
+    path = latest_complete(root) if resume == "latest" else resume
+    if path is None:
+        return None
+    why = problem(path) if resume != "latest" else None
+    why = why or incompatibility(path, model_args, optimizer, data)
+    if why:
+        raise ValueError(f"cannot resume from {path}: {why}")
+    return str(path)
+
+
 def same_on_every_rank(path: str | None) -> str | None:
     """``path``, once every rank of the process group has checked it chose the same one.
 

@@ -19,6 +19,8 @@ See each rank's forwards, backwards and waits (DIR/timeline.png; DIR/trace.json 
     python pipelining_transformer/main.py --schedule 1F1B --n_microbatches 8 --trace trace_1f1b
 The model is the tutorial's (dim 512, 8 layers, 8 heads, vocabulary 10000); the batch is
 CPU-sized (8 x 16 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell.
+The last stage also computes the 10000-word output projection and the loss: give it fewer
+layers to balance the stages (--stage_layers 5 3).
 
 Checkpoint every 5 steps; after a crash, go on from the newest complete checkpoint (with
 any number of stages: checkpoints hold the full model's names, not the split; but the same
@@ -84,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"pipeline schedule, one of: {', '.join(SCHEDULES)}")
     parser.add_argument("--split", choices=("manual", "tracer"), default="manual",
                         help="cut the model by deleting parts (manual) or by tracing it (tracer)")
+    parser.add_argument("--stage_layers", type=int, nargs="+", default=None, metavar="N",
+                        help="layers of each stage, in stage order (default: as even as can be); "
+                             "the last stage also computes the output projection and the loss")
     parser.add_argument("--n_microbatches", type=int, default=4, metavar="M",
                         help="micro-batches each batch is cut into")
     parser.add_argument("--batch_size", type=int, default=8, metavar="B",
@@ -155,6 +160,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if n_stages > args.n_layers:
         parser.error(f"{args.schedule} {on} makes {n_stages} stages, "
                      f"more than --n_layers {args.n_layers}: each stage needs a layer")
+    layers = args.stage_layers
+    if layers is not None and (len(layers) != n_stages or sum(layers) != args.n_layers or min(layers) < 1):
+        parser.error(f"--stage_layers {' '.join(map(str, layers))}: {args.schedule} {on} makes "
+                     f"{n_stages} stages; give {n_stages} counts of at least 1 adding up to "
+                     f"--n_layers {args.n_layers}")
     problem = schedule_problem(args.schedule, pp_size, args.n_microbatches)
     if problem:
         parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
@@ -177,22 +187,14 @@ def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error(f"--checkpoint_every must be at least 0, got {args.checkpoint_every}")
     if args.checkpoint_every and not args.checkpoint_dir:
         parser.error("--checkpoint_every needs --checkpoint_dir")
-    args.resume_path = None
-    if args.resume == "latest":
-        if not args.checkpoint_dir:
-            parser.error("--resume without a PATH needs --checkpoint_dir")
-        args.resume_path = checkpoint.latest_complete(args.checkpoint_dir)
-    elif args.resume is not None:
-        why = checkpoint.problem(args.resume)
-        if why:
-            parser.error(f"cannot resume from {args.resume}: {why}")
-        args.resume_path = args.resume
-    if args.resume_path is not None:
-        why = checkpoint.incompatibility(args.resume_path, model_args_from(args), args.optimizer,
-                                         data_settings_from(args))
-        if why:
-            parser.error(f"cannot resume from {args.resume_path}: {why}")
-        args.resume_path = str(args.resume_path)
+    if args.resume == "latest" and not args.checkpoint_dir:
+        parser.error("--resume without a PATH needs --checkpoint_dir")
+    try:
+        args.resume_path = checkpoint.resume_path(args.resume, args.checkpoint_dir,
+                                                  model_args_from(args), args.optimizer,
+                                                  data_settings_from(args))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def model_args_from(args: argparse.Namespace) -> ModelArgs:
@@ -207,8 +209,10 @@ def data_settings_from(args: argparse.Namespace) -> dict[str, int]:
 def layout_from(args: argparse.Namespace, device: torch.device) -> str:
     """What fixes each rank's random draws (its stages, micro-batches, device): a resume in
     the same layout gets every rank's random state back, so its dropout masks too."""
+    layers = getattr(args, "stage_layers", None)
+    layers = f" stage_layers={','.join(map(str, layers))}" if layers else ""
     return (f"world_size={args.world_size} dp_size={getattr(args, 'dp_size', 1)} "
-            f"schedule={args.schedule} split={args.split} "
+            f"schedule={args.schedule} split={args.split}{layers} "
             f"n_microbatches={args.n_microbatches} device={device.type}")
 
 
@@ -223,7 +227,7 @@ def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
         torch.manual_seed(args.seed + 1_000_003 * env.dp_rank)
     microbatch = (args.batch_size // (env.dp_size * args.n_microbatches), args.seq_len)
     return PipelineRank(model, model_args, env, args.schedule, args.split, args.n_microbatches,
-                        microbatch, args.lr, args.optimizer)
+                        microbatch, args.lr, args.optimizer, args.stage_layers)
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +52,20 @@ def stage_indices_for(schedule: str, rank: int, world_size: int) -> list[int]:
     return [rank + k * world_size for k in range(STAGES_PER_RANK_MULTI)]
 
 
-def layer_ranges(n_layers: int, num_stages: int) -> list[range]:
-    """Contiguous blocks of layers, one per stage; earlier stages take the remainder."""
-    if not 1 <= num_stages <= n_layers:
-        raise ValueError(f"cannot give {num_stages} stages at least one of {n_layers} layers each")
-    per, extra = divmod(n_layers, num_stages)
+def layer_ranges(n_layers: int, num_stages: int, sizes: Sequence[int] | None = None) -> list[range]:
+    """Contiguous blocks of layers, one per stage: ``sizes[s]`` layers for stage s, or (no
+    ``sizes``) as even as can be, earlier stages taking the remainder."""
+    if sizes is None:
+        if not 1 <= num_stages <= n_layers:
+            raise ValueError(f"cannot give {num_stages} stages at least one of {n_layers} layers each")
+        per, extra = divmod(n_layers, num_stages)
+        sizes = [per + (s < extra) for s in range(num_stages)]
+    elif len(sizes) != num_stages or sum(sizes) != n_layers or min(sizes) < 1:
+        raise ValueError(f"{num_stages} stages need {num_stages} layer counts of at least 1 that "
+                         f"add up to {n_layers}, got {' '.join(map(str, sizes))}")
     bounds = [0]
-    for s in range(num_stages):
-        bounds.append(bounds[-1] + per + (s < extra))
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
@@ -276,10 +282,10 @@ class PipelineRank:
 
     def __init__(self, model: Transformer, model_args: ModelArgs, env: DistEnv, schedule: str,
                  split: str, n_microbatches: int, microbatch_shape: tuple[int, int],
-                 lr: float, optimizer: str = "adamw") -> None:
+                 lr: float, optimizer: str = "adamw", stage_layers: Sequence[int] | None = None) -> None:
         self.num_stages = num_stages_for(schedule, env.pp_size)
         indices = stage_indices_for(schedule, env.pp_rank, env.pp_size)
-        ranges = layer_ranges(model_args.n_layers, self.num_stages)
+        ranges = layer_ranges(model_args.n_layers, self.num_stages, stage_layers)
         if split == "manual":
             # every stage but the last cuts its own copy; the last cuts the model itself
             models = [copy.deepcopy(model) for _ in indices[1:]] + [model]

@@ -202,13 +202,15 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
                   "--n_microbatches", str(m)]
         exs = []
         for schedule in schedules:
-            ex = example.build_parser().parse_args([*common, "--world_size", str(p), "--schedule", schedule])
+            ex = example.build_parser().parse_args([*common, *stage_layers(args), "--world_size", str(p),
+                                                    "--schedule", schedule])
             example.check_args(parser, ex)  # its one-line errors, before anything runs
             exs.append(ex)
         local = example.build_parser().parse_args([*common, "--world_size", "1", "--threads", str(threads * p)])
         jobs.append((batch, seq, exs, local))
     print(describe_machine(p, threads))
-    print(f"# sweep: {', '.join(schedules)} on {p} ranks, m = {m}; model dim {dim}, {layers} layers, "
+    split = f"layers per stage {' '.join(map(str, args.stage_layers))}" if args.stage_layers else "even split"
+    print(f"# sweep: {', '.join(schedules)} on {p} ranks, m = {m}, {split}; model dim {dim}, {layers} layers, "
           f"{heads} heads, vocabulary {vocab}; {steps} AdamW steps, {args.warmup} untimed")
     print(f"# local: the whole batch in one process, {threads * p} thread(s); sequential: its {m} "
           f"micro-batches one after another, 1 thread; bound on the speed-up over sequential: "
@@ -283,6 +285,11 @@ def plot_sweep(path: str | None, rows: list[dict]) -> None:
     print(f"# plot written to {path}")
 
 
+def stage_layers(args: argparse.Namespace) -> list[str]:
+    """The example's --stage_layers, for the pipelined runs only (the references are one stage)."""
+    return ["--stage_layers", *map(str, args.stage_layers)] if args.stage_layers else []
+
+
 def point(text: str) -> tuple[int, int]:
     try:
         batch, seq = (int(v) for v in text.lower().split("x"))
@@ -308,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", nargs=4, type=int, default=None, metavar=("DIM", "LAYERS", "HEADS", "VOCAB"),
                    help="model sizes (default: the tutorial's 512 8 8 10000; quick 256 8 8 10000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stage_layers", type=int, nargs="+", default=None, metavar="N",
+                   help="the example's --stage_layers for every pipelined run (default: even)")
     p.add_argument("--plot", default=None, help="write measured vs ideal bubble (or the sweep) here (PNG)")
     p.add_argument("--sweep", action="store_true",
                    help="speed-up and efficiency against work per micro-batch (GPipe, 1F1B; m = 8)")
@@ -339,7 +348,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 skipped.append(f"# skipped {schedule} m={m}: {problem}")
                 continue  # e.g. DualPipeV with fewer micro-batches than stages
             ex = example.build_parser().parse_args(
-                [*common, "--world_size", str(args.world_size), "--schedule", schedule,
+                [*common, *stage_layers(args), "--world_size", str(args.world_size), "--schedule", schedule,
                  "--n_microbatches", str(m)])
             example.check_args(parser, ex)  # its one-line errors, before anything runs
             jobs.append((schedule, m, ex))
@@ -351,7 +360,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"# local: one process, the whole model, {threads * args.world_size} thread(s) "
           f"(1-thread: the same with one)")
     print(f"# model dim {dim}, {layers} layers, {heads} heads, vocabulary {vocab}; batches of "
-          f"{args.batch_size} x {args.seq_len} tokens; {steps} AdamW steps, {args.warmup} untimed")
+          f"{args.batch_size} x {args.seq_len} tokens; {steps} AdamW steps, {args.warmup} untimed"
+          + (f"; layers per stage {' '.join(map(str, args.stage_layers))}" if args.stage_layers else ""))
     for line in skipped:
         print(line)
     local = distkit.launch(local_worker, local_args)[0]

@@ -35,3 +35,19 @@ def run_torchrun(nproc: int, *argv: str, timeout: float = 120) -> subprocess.Com
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def refused_before_launch(main, argv: list[str], capsys, monkeypatch) -> str:
+    """``main(argv)`` exits with status 2 and one line on stderr before it launches anything
+    (in this process: a process per case would cost seconds each); returns that line."""
+    # imported here: conftest must not import torch before pytest_configure hides the GPUs
+    import distkit
+
+    # were a check to let bad input through, the test fails here instead of training
+    monkeypatch.setattr(distkit, "launch", lambda *a: pytest.fail("launched despite bad input"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.count("\n") == 1, err
+    return err

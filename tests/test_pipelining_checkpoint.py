@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import distkit
-from conftest import REPO, run_cli
+from conftest import REPO, refused_before_launch, run_cli
 from pipelining_transformer import checkpoint
 from pipelining_transformer.main import (build_parser, build_rank, check_args, data_settings_from,
                                          main, model_args_from)
@@ -191,17 +191,7 @@ def saved(tmp_path):
 def refused(capsys, monkeypatch):
     """``refused(argv)``: main(TINY + argv) exits 2 with one line, before launching anything;
     returns that line."""
-    # were a check to let bad input through, the test fails here instead of training
-    monkeypatch.setattr(distkit, "launch", lambda *a: pytest.fail("launched despite bad input"))
-
-    def run(argv: list[str]) -> str:
-        with pytest.raises(SystemExit) as exit_info:
-            main([*TINY, *argv])
-        assert exit_info.value.code == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1, err
-        return err
-    return run
+    return lambda argv: refused_before_launch(main, [*TINY, *argv], capsys, monkeypatch)
 
 
 def test_truncated_or_unfinished_checkpoint_is_refused(saved, refused):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import distkit
-from conftest import run_cli, run_torchrun
+from conftest import refused_before_launch, run_cli, run_torchrun
 from pipelining_transformer.main import build_parser, build_rank, check_args, main, model_args_from
 from pipelining_transformer.model import Transformer, tokenwise_loss_fn
 from pipelining_transformer.parallel import (
@@ -56,6 +56,10 @@ def test_layers_are_divided_among_stages():
     assert layer_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
     with pytest.raises(ValueError):
         layer_ranges(3, 4)
+    assert layer_ranges(8, 2, [5, 3]) == [range(0, 5), range(5, 8)]  # --stage_layers 5 3
+    for sizes in ([4, 3], [8, 0], [4, 2, 2]):
+        with pytest.raises(ValueError):
+            layer_ranges(8, 2, sizes)
 
 
 def test_stage_placement_follows_each_schedule():
@@ -104,7 +108,7 @@ def _launch(world_size: int) -> tuple[argparse.Namespace, dict | str]:
 @functools.cache
 def _reference(world_size: int) -> dict:
     """The full model in this one process: same seed, same data, same optimizer."""
-    args, _ = _launch(world_size)
+    args = make_args(*TINY, "--n_layers", str(RUNS[world_size][0]), "--world_size", str(world_size))
     torch.manual_seed(args.seed)
     model = copy.deepcopy(Transformer(model_args_from(args)))
     x, y = synthetic_batch(0, args.batch_size, args.seq_len, args.vocab_size, args.seed)
@@ -126,7 +130,26 @@ def test_pipeline_step_equals_single_process(world_size, schedule, split):
     assert not isinstance(results, str), results
     ref = _reference(world_size)
     per_rank = [r[(schedule, split)] for r in results.values()]
+    _assert_equals_reference(per_rank, ref)
 
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_uneven_stage_layers_step_equals_single_process(split):
+    # --stage_layers 3 1: the split the user asks for, and still the model's step
+    args = make_args(*TINY, "--n_layers", "4", "--world_size", "2", "--split", split,
+                     "--stage_layers", "3", "1")
+    args.runs = [("GPipe", split), ("1F1B", split)]
+    results = distkit.launch(_equivalence_worker, args)
+    for run in args.runs:
+        per_rank = [results[rank][run] for rank in (0, 1)]
+        layers = [sorted({n.split(".")[1] for n in r["params"] if n.startswith("layers.")})
+                  for r in per_rank]
+        assert layers == [["0", "1", "2"], ["3"]], layers
+        _assert_equals_reference(per_rank, _reference(2))
+
+
+def _assert_equals_reference(per_rank: list[dict], ref: dict) -> None:
+    """The ranks' losses, gradients and parameters after the step are the one process's."""
     losses = [r["losses"] for r in per_rank if r["losses"] is not None]
     assert len(losses) == 1, "exactly one rank holds the last stage"
     torch.testing.assert_close(losses[0], ref["losses"])
@@ -178,6 +201,10 @@ def test_torchrun_launch_with_v_shaped_schedule():
     (["--schedule", "PipeDream"], "unknown schedule 'PipeDream'"),
     (["--split", "auto"], "invalid choice: 'auto'"),
     (["--world_size", "0"], "--world_size must be at least 1"),
+    (["--stage_layers", "5", "2"], "--stage_layers 5 2: GPipe on 2 ranks makes 2 stages; give 2 "
+                                   "counts of at least 1 adding up to --n_layers 8"),
+    (["--stage_layers", "8", "0"], "give 2 counts of at least 1"),
+    (["--schedule", "ZBVZeroBubble", "--stage_layers", "5", "3"], "makes 4 stages; give 4 counts"),
     # argparse's float() accepts these; a nan learning rate would train nothing silently
     (["--lr", "0"], "--lr must be a positive number, got 0.0"),
     (["--lr", "nan"], "--lr must be a positive number, got nan"),
@@ -186,14 +213,8 @@ def test_torchrun_launch_with_v_shaped_schedule():
     (["--loss_log", "no/such/dir/losses.jsonl"], "no such directory no/such/dir"),
 ])
 def test_bad_input_is_rejected_before_launch(argv, message, capsys, monkeypatch):
-    # in this process (a process per case would cost seconds each): main() must stop
-    # with status 2 before it launches anything; were a check broken, fail, not train
-    monkeypatch.setattr(distkit, "launch", lambda *a: pytest.fail("launched despite bad input"))
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    err = refused_before_launch(main, argv, capsys, monkeypatch)
+    assert message in err, err
 
 
 def test_bad_input_from_the_command_line_is_one_line_exit_2():

@@ -56,6 +56,17 @@ def _finish_episode_worker(worker: distkit.Worker, args: argparse.Namespace) -> 
             "running_reward": agent.running_reward, "left": sum(map(len, agent.rewards.values()))}
 
 
+def _assert_agent_took_this_step(out: dict, ref: Policy, loss: torch.Tensor) -> None:
+    """The agent's loss is ``loss`` (computed here on ``ref``, the policy before the
+    update), and its policy after the update is ``ref`` after one Adam step on it."""
+    torch.testing.assert_close(out["loss"], loss.item())
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    loss.backward()
+    opt.step()
+    for (name, p_ref), p in zip(ref.named_parameters(), out["after"].parameters()):
+        torch.testing.assert_close(p, p_ref, msg=lambda m: f"{name}: {m}")
+
+
 def test_finish_episode_matches_hand_computation():
     args = make_args()
     args.world_size = 1  # the agent alone
@@ -67,12 +78,7 @@ def test_finish_episode_matches_hand_computation():
     probs = ref(torch.from_numpy(out["states"]).float())
     log_probs = Categorical(probs).log_prob(torch.tensor(out["actions"]))
     loss = -(log_probs * returns).sum()
-    torch.testing.assert_close(out["loss"], loss.item())
-    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    loss.backward()
-    opt.step()
-    for (name, p_ref), p in zip(ref.named_parameters(), out["after"].parameters()):
-        torch.testing.assert_close(p, p_ref, msg=lambda m: f"{name}: {m}")
+    _assert_agent_took_this_step(out, ref, loss)
     assert out["min_reward"] == 1.5  # observer 8 earned 1.5, observer 7 earned 3
     assert out["running_reward"] == pytest.approx(0.05 * 1.5)
     assert out["left"] == 0  # the episode's rewards were cleared
@@ -197,12 +203,8 @@ def test_batched_agent_answers_each_observer_and_updates_like_one_process():
     returns_t = torch.cat(returns)
     returns_t = (returns_t - returns_t.mean()) / (returns_t.std() + np.finfo(np.float32).eps)
     loss = -(torch.cat(log_probs) * returns_t).sum()
-    torch.testing.assert_close(out["loss"], loss.item())
-    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    loss.backward()
-    opt.step()
-    for (name, p_ref), p in zip(ref.named_parameters(), out["after"].parameters()):
-        torch.testing.assert_close(p, p_ref, msg=lambda m: f"{name}: {m}")
+    _assert_agent_took_this_step(out, ref, loss)
+    for name, p in out["after"].named_parameters():
         assert not torch.equal(p, initial[name]), f"{name} did not move"
 
 
