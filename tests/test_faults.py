@@ -79,9 +79,13 @@ class Job:
     """A CLI run in its own process group, with its output collected as it comes."""
 
     def __init__(self, argv: tuple[str, ...]) -> None:
+        # SIGINT back to its default: a suite started in the background by a shell (`cmd &`,
+        # nohup) inherits SIGINT ignored, and Python leaves an ignored SIGINT ignored, so the
+        # launcher would never see the Ctrl+C that a user's foreground run gets
         self.proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.out: list[str] = []
         self.err: list[str] = []
         self._readers = [threading.Thread(target=self._read, args=(s, b), daemon=True)
