@@ -61,6 +61,7 @@ from pipelining_transformer.parallel import (
     DistEnv,
     PipelineRank,
     init_distributed,
+    layer_ranges,
     num_stages_for,
     schedule_problem,
     synthetic_batch,
@@ -160,11 +161,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if n_stages > args.n_layers:
         parser.error(f"{args.schedule} {on} makes {n_stages} stages, "
                      f"more than --n_layers {args.n_layers}: each stage needs a layer")
-    layers = args.stage_layers
-    if layers is not None and (len(layers) != n_stages or sum(layers) != args.n_layers or min(layers) < 1):
-        parser.error(f"--stage_layers {' '.join(map(str, layers))}: {args.schedule} {on} makes "
-                     f"{n_stages} stages; give {n_stages} counts of at least 1 adding up to "
-                     f"--n_layers {args.n_layers}")
+    if args.stage_layers is not None:
+        try:  # the division the ranks will make, made once here
+            layer_ranges(args.n_layers, n_stages, args.stage_layers)
+        except ValueError:
+            parser.error(f"--stage_layers {' '.join(map(str, args.stage_layers))}: {args.schedule} "
+                         f"{on} makes {n_stages} stages; give {n_stages} counts of at least 1 "
+                         f"adding up to --n_layers {args.n_layers}")
     problem = schedule_problem(args.schedule, pp_size, args.n_microbatches)
     if problem:
         parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
@@ -209,9 +212,8 @@ def data_settings_from(args: argparse.Namespace) -> dict[str, int]:
 def layout_from(args: argparse.Namespace, device: torch.device) -> str:
     """What fixes each rank's random draws (its stages, micro-batches, device): a resume in
     the same layout gets every rank's random state back, so its dropout masks too."""
-    layers = getattr(args, "stage_layers", None)
-    layers = f" stage_layers={','.join(map(str, layers))}" if layers else ""
-    return (f"world_size={args.world_size} dp_size={getattr(args, 'dp_size', 1)} "
+    layers = f" stage_layers={','.join(map(str, args.stage_layers))}" if args.stage_layers else ""
+    return (f"world_size={args.world_size} dp_size={args.dp_size} "
             f"schedule={args.schedule} split={args.split}{layers} "
             f"n_microbatches={args.n_microbatches} device={device.type}")
 

@@ -209,8 +209,8 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
         local = example.build_parser().parse_args([*common, "--world_size", "1", "--threads", str(threads * p)])
         jobs.append((batch, seq, exs, local))
     print(describe_machine(p, threads))
-    split = f"layers per stage {' '.join(map(str, args.stage_layers))}" if args.stage_layers else "even split"
-    print(f"# sweep: {', '.join(schedules)} on {p} ranks, m = {m}, {split}; model dim {dim}, {layers} layers, "
+    print(f"# sweep: {', '.join(schedules)} on {p} ranks, m = {m}, {' '.join(stage_layers(args)) or 'even split'}; "
+          f"model dim {dim}, {layers} layers, "
           f"{heads} heads, vocabulary {vocab}; {steps} AdamW steps, {args.warmup} untimed")
     print(f"# local: the whole batch in one process, {threads * p} thread(s); sequential: its {m} "
           f"micro-batches one after another, 1 thread; bound on the speed-up over sequential: "
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"(1-thread: the same with one)")
     print(f"# model dim {dim}, {layers} layers, {heads} heads, vocabulary {vocab}; batches of "
           f"{args.batch_size} x {args.seq_len} tokens; {steps} AdamW steps, {args.warmup} untimed"
-          + (f"; layers per stage {' '.join(map(str, args.stage_layers))}" if args.stage_layers else ""))
+          + (f"; {' '.join(stage_layers(args))}" if args.stage_layers else ""))
     for line in skipped:
         print(line)
     local = distkit.launch(local_worker, local_args)[0]

@@ -51,6 +51,11 @@ def make_args(*argv: str) -> argparse.Namespace:
     return args
 
 
+def tiny_args(world_size: int, *argv: str) -> argparse.Namespace:
+    """The tests' model on ``world_size`` ranks, with the layers RUNS gives that size."""
+    return make_args(*TINY, "--n_layers", str(RUNS[world_size][0]), "--world_size", str(world_size), *argv)
+
+
 def test_layers_are_divided_among_stages():
     assert layer_ranges(8, 2) == [range(0, 4), range(4, 8)]
     assert layer_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
@@ -93,11 +98,10 @@ def _equivalence_worker(worker: distkit.Worker, args: argparse.Namespace) -> dic
 
 @functools.cache
 def _launch(world_size: int) -> tuple[argparse.Namespace, dict | str]:
-    n_layers, runs = RUNS[world_size]
-    args = make_args(*TINY, "--n_layers", str(n_layers), "--world_size", str(world_size))
+    _, runs = RUNS[world_size]
+    args = tiny_args(world_size)
     for schedule, _ in runs:  # every run is one the CLI would accept
-        make_args(*TINY, "--n_layers", str(n_layers), "--world_size", str(world_size),
-                  "--schedule", schedule)
+        tiny_args(world_size, "--schedule", schedule)
     args.runs = runs
     try:
         return args, distkit.launch(_equivalence_worker, args)
@@ -108,7 +112,7 @@ def _launch(world_size: int) -> tuple[argparse.Namespace, dict | str]:
 @functools.cache
 def _reference(world_size: int) -> dict:
     """The full model in this one process: same seed, same data, same optimizer."""
-    args = make_args(*TINY, "--n_layers", str(RUNS[world_size][0]), "--world_size", str(world_size))
+    args = tiny_args(world_size)
     torch.manual_seed(args.seed)
     model = copy.deepcopy(Transformer(model_args_from(args)))
     x, y = synthetic_batch(0, args.batch_size, args.seq_len, args.vocab_size, args.seed)
@@ -136,8 +140,7 @@ def test_pipeline_step_equals_single_process(world_size, schedule, split):
 @pytest.mark.parametrize("split", SPLITS)
 def test_uneven_stage_layers_step_equals_single_process(split):
     # --stage_layers 3 1: the split the user asks for, and still the model's step
-    args = make_args(*TINY, "--n_layers", "4", "--world_size", "2", "--split", split,
-                     "--stage_layers", "3", "1")
+    args = tiny_args(2, "--split", split, "--stage_layers", "3", "1")  # 4 layers
     args.runs = [("GPipe", split), ("1F1B", split)]
     results = distkit.launch(_equivalence_worker, args)
     for run in args.runs:
