@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -199,4 +198,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distkit.exit_process(main())

@@ -21,6 +21,7 @@ from .launch import (
     check_launch_args,
     check_placements,
     cleanup,
+    exit_process,
     job_store,
     launch,
     local_workers,
@@ -33,8 +34,8 @@ from .launch import (
 
 __all__ = [
     "ArgumentParser", "DeviceError", "Placement", "Worker", "add_launch_args", "agree_on_backend",
-    "backend_for", "check_finite", "check_launch_args", "check_placements", "cleanup", "gpu_count",
-    "group_placement", "job_store", "launch", "local_workers", "parse_ranks", "pick_device",
-    "process_group_store", "require_positive", "silence_torchscript_optimizer_warning",
-    "threads_per_process", "under_torchrun",
+    "backend_for", "check_finite", "check_launch_args", "check_placements", "cleanup",
+    "exit_process", "gpu_count", "group_placement", "job_store", "launch", "local_workers",
+    "parse_ranks", "pick_device", "process_group_store", "require_positive",
+    "silence_torchscript_optimizer_warning", "threads_per_process", "under_torchrun",
 ]

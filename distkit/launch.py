@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -340,9 +340,39 @@ def _spawned(index: int, fn: Callable, args: argparse.Namespace, ranks: list[int
     try:
         result = _run(fn, worker, args, failure_file=os.path.join(result_dir, f"{rank}.failed"))
     except BaseException:
-        raise SystemExit(1) from None  # the launcher prints the traceback, once
+        _exit_now(1)  # the launcher prints the traceback, once
     if result is not None:
         torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
+    _exit_now(0)
+
+
+def exit_process(status: int) -> NoReturn:
+    """End the program with ``status``: every example's ``__main__`` guard calls it.
+
+    Under torchrun this process was a rank, and ends as spawned ranks do (``_exit_now``).
+    """
+    if under_torchrun():
+        _exit_now(status)
+    sys.exit(status)
+
+
+def _exit_now(status: int) -> NoReturn:
+    """End a rank's process without the interpreter's teardown.
+
+    Its process group is destroyed by now, but the group's objects can outlive that call
+    (FSDP's and DTensor's state hold them), and so can gloo's worker threads, one of which
+    may still be letting go of the tensor of a collective that has just finished (the loss
+    a rank all-reduced). With torch 2.14 dropping a C++ reference to a tensor that Python
+    has seen takes the GIL, and a thread that asks for the GIL while the interpreter
+    finalizes is ended inside a destructor: std::terminate, and a run that finished is
+    reported as killed by SIGABRT (1 exit in 10 of ``pipelining_transformer --dp_size 2``
+    on 2 cores; pytorch/pytorch#190489, and the upstream fix #179291 was abandoned).
+    Nothing is left to do here: the results are on disk, and the output is flushed below.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _run(fn: Callable, worker: Worker, args: argparse.Namespace, failure_file: str | None = None) -> Any:

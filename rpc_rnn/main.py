@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from collections.abc import Iterator
 
@@ -174,4 +173,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distkit.exit_process(main())

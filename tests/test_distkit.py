@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import distkit
+from conftest import run_cli, run_torchrun
 
 
 def launch_args(*argv: str, world_size: int = 2) -> argparse.Namespace:
@@ -84,6 +85,20 @@ def test_failed_rank_stops_the_job_loudly(how, message, tmp_path, capsys):
         while time.time() < deadline and _alive(pid):
             time.sleep(0.1)
         assert not _alive(pid), f"worker {pid_file.stem} survived"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["spawned", "torchrun"])
+def test_a_rank_exits_0_while_a_gloo_collective_of_its_finishes(launcher):
+    # tests/late_collective.py: gloo's thread takes the GIL while rank 0's interpreter would be
+    # finalizing; a finished job must not be reported as killed by SIGABRT
+    if launcher == "spawned":
+        job = run_cli("tests/late_collective.py", timeout=90)
+    else:
+        job = run_torchrun(2, "tests/late_collective.py", timeout=90)
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "terminate called" not in job.stderr
+    assert job.stdout.count("job finished") == (1 if launcher == "spawned" else 2)
 
 
 def _alive(pid: int) -> bool:
