@@ -360,8 +360,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"# local: one process, the whole model, {threads * args.world_size} thread(s) "
           f"(1-thread: the same with one)")
     print(f"# model dim {dim}, {layers} layers, {heads} heads, vocabulary {vocab}; batches of "
-          f"{args.batch_size} x {args.seq_len} tokens; {steps} AdamW steps, {args.warmup} untimed"
-          + (f"; {' '.join(stage_layers(args))}" if args.stage_layers else ""))
+          f"{args.batch_size} x {args.seq_len} tokens; {steps} AdamW steps, {args.warmup} untimed; "
+          f"{' '.join(stage_layers(args)) or 'even split'}")
     for line in skipped:
         print(line)
     local = distkit.launch(local_worker, local_args)[0]
