@@ -103,11 +103,10 @@ def agree_on_backend(group: str, group_rank: int, group_size: int, placement: Pl
     hanging or crashing inside ``init_process_group``. Call it on every member, before
     ``init_process_group``.
     """
-    from .launch import job_store  # launch imports this module
+    from .launch import job_store, restart_key  # launch imports this module
 
-    # a torchrun restart reuses the store: each attempt gets its own keys
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = job_store(f"distkit/placement/{group}/{attempt}/")
+    # a torchrun restart may reuse the store: each attempt its own keys
+    store = job_store(f"distkit/placement/{group}/{restart_key()}")
     mine = "|".join([socket.gethostname(), str(gpu_count()), str(placement.device), str(placement.backend)])
     store.set(str(group_rank), mine)
     keys = [str(r) for r in range(group_size)]

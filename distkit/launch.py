@@ -240,14 +240,11 @@ def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
         # This process hosts the store, bound to ``addr`` only: a single-machine run is
         # reachable from loopback alone (c10d's own TCPStore server listens on every interface).
         try:
-            listener = socket.create_server((addr, args.master_port or 0))
+            store = _host_store(addr, args.master_port or 0, STORE_TIMEOUT)
         except OSError as e:  # an address not on this machine, a port in use: bad input
             _die(f"cannot listen on {addr}:{args.master_port or 0} for the rendezvous: "
                  f"{e.strerror or e}", status=2)
-        port = listener.getsockname()[1]
-        # the store takes ownership of the socket and closes it when it goes
-        store = dist.TCPStore(addr, port, is_master=True, master_listen_fd=listener.detach(),
-                              wait_for_workers=False, timeout=STORE_TIMEOUT)
+        port = store.port
     else:
         port = args.master_port
     result_dir = Path(tempfile.mkdtemp(prefix="distkit-"))
@@ -453,20 +450,60 @@ def cleanup(graceful: bool = True) -> None:
         dist.destroy_process_group()
 
 
+def _host_store(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A store server listening on ``addr`` only (c10d's own listens on every interface)."""
+    listener = socket.create_server((addr, port))
+    # the store takes ownership of the socket and closes it when it goes
+    return dist.TCPStore(addr, listener.getsockname()[1], is_master=True,
+                         master_listen_fd=listener.detach(), wait_for_workers=False, timeout=timeout)
+
+
+def _agent_hosts_store() -> bool:
+    """Whether a launcher hosts the job's store: distkit's, or torchrun's agent by default.
+
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` given to torchrun (the multi-machine restart
+    command of docs/multi_host.md) means no agent does: torchrun picks a port on rank 0's
+    machine each round and rank 0's worker must host the store there.
+    """
+    return not under_torchrun() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+_hosted: dist.TCPStore | None = None  # the store this process hosts, if it is that rank 0
+
+
+def _connect(timeout: timedelta) -> dist.Store:
+    """This process's connection to the job's store at ``MASTER_ADDR:MASTER_PORT``;
+    rank 0 starts the store there on its first call if no launcher hosts it."""
+    global _hosted
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if _hosted is None and not _agent_hosts_store() and os.environ["RANK"] == "0":
+        _hosted = _host_store(addr, port, timeout)
+        return _hosted
+    return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+
+
+def restart_key() -> str:
+    """A key prefix that keeps this torchrun restart's keys apart from those of the groups
+    before it, in a store that outlives them (torchrun's agent's, shared by every restart);
+    "" where each restart has a store of its own, since machines may count restarts
+    differently (pytorch/pytorch#135712)."""
+    if under_torchrun() and _agent_hosts_store():
+        return f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return ""
+
+
 def job_store(prefix: str) -> dist.Store:
     """A client of the job's rendezvous store, with its own key prefix.
 
     A second process group (DDP among a subset of an RPC job's ranks) rendezvouses here
     instead of on a second port: one port per job, no collisions, loopback-only locally.
     """
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=STORE_TIMEOUT)
-    return dist.PrefixStore(prefix, store)
+    return dist.PrefixStore(prefix, _connect(STORE_TIMEOUT))
 
 
 def process_group_store() -> dist.Store | None:
     """The store for ``init_process_group(store=...)``: None (use ``env://``) except under
-    torchrun with its shared store, where it is that store under a prefix per restart.
+    torchrun, where it is the job's store under a prefix per restart.
 
     Why: torchrun (PyTorch 2.14) hosts the workers' store in its agent and keeps that one
     server for every restart of the group (``_shared_tcp_store_server`` in
@@ -479,14 +516,12 @@ def process_group_store() -> dist.Store | None:
     ``TORCHELASTIC_RESTART_COUNT`` counts the restarts of this machine's worker group; all
     ranks agree on it under ``--standalone`` and whenever every machine's group failed.
     With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` given to torchrun there is no shared store:
-    rank 0 hosts a new one each round (None here).
+    rank 0 hosts a new one each round (``_connect``; ``env://`` would start a second server
+    on its port when ``agree_on_backend`` already started it) and no prefix is needed.
     """
-    if not (under_torchrun() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and "TORCHELASTIC_RESTART_COUNT" in os.environ):
+    if not under_torchrun():
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=default_pg_timeout)  # env://'s timeout
-    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    return dist.PrefixStore(f"process_group/{restart_key()}", _connect(default_pg_timeout))
 
 
 def _is_loopback(addr: str) -> bool:

@@ -11,7 +11,9 @@ which real machines cannot do.
 The runs must train exactly as on one host, compared with a single-host run of the same
 configuration: ddp_rpc's per-rank results (each host runs ``ddp_rpc/main.py``'s ``main``
 through ``_run_and_keep_results`` at the bottom of this file, which also saves what the
-launcher returned), pipelining_transformer's printed losses. While they run, the listening
+launcher returned), pipelining_transformer's printed and logged losses (one stage per host;
+one dp replica per host; a torchrun restart on both hosts after a worker is SIGKILLed, against
+an uninterrupted run). While they run, the listening
 sockets of every host are read from /proc: distkit's processes bind where the user said
 (``--master_addr``, ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME``), never on every interface.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import ipaddress
 import os
 import re
@@ -31,18 +34,21 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
 import distkit
-from conftest import REPO
+from conftest import REPO, run_cli
+from pipelining_transformer import checkpoint
 
 SUBNET = "10.231.0"
 IFNAME = "eth0"  # each host's interface; the interface variables name it
 # The hosts are fresh private namespaces, so any port is free in them: a fixed one per
 # test (not one shared by all: a closed store's port may linger in TIME_WAIT).
-DDP_RPC_PORT, C10D_PORT, STATIC_PORT = 29400, 29410, 29420
+DDP_RPC_PORT, C10D_PORT, STATIC_PORT, DP_PORT, ELASTIC_PORT, USED_UP_PORT = (
+    29400, 29410, 29420, 29430, 29440, 29450)
 HOST_TIMEOUT = 200  # seconds for all hosts of one run, start-up included (slow, shared CPUs)
 
 
@@ -147,9 +153,13 @@ def _listening(pid: int, ns: str) -> set[tuple[str, int]]:
     return found
 
 
-def run_on_hosts(jobs: list[tuple[Host, list[str], dict[str, str]]], tmp_path: Path) -> list[HostRun]:
+def run_on_hosts(jobs: list[tuple[Host, list[str], dict[str, str]]], tmp_path: Path,
+                 watch: Callable[[list[int]], None] | None = None) -> list[HostRun]:
     """Start ``python ARGV`` on every host at once (one command per host, as on real
-    machines), watch their listening sockets, wait for all; kill all if they take too long."""
+    machines), watch their listening sockets, wait for all; kill all if they take too long.
+
+    ``watch``, if given, is called with the hosts' pids (in this machine's PID namespace)
+    every quarter of a second while any host runs: a test's hand in the run (a kill)."""
     procs = []
     for i, (host, argv, env) in enumerate(jobs):
         log = open(tmp_path / f"host{i}.log", "w")
@@ -165,6 +175,8 @@ def run_on_hosts(jobs: list[tuple[Host, list[str], dict[str, str]]], tmp_path: P
             for seen, (p, _), (host, _, _) in zip(listening, procs, jobs):
                 if p.poll() is None:
                     seen |= _listening(p.pid, host.ns)
+            if watch is not None:
+                watch([p.pid for p, _ in procs])
             time.sleep(0.25)
     finally:
         timed_out = [i for i, (p, _) in enumerate(procs) if p.poll() is None]
@@ -273,17 +285,18 @@ PIPELINE = ("--world_size", "2", "--dim", "16", "--n_heads", "2", "--n_layers", 
 PIPELINE_IFACES = {"GLOO_SOCKET_IFNAME": IFNAME}  # no RPC: TensorPipe is not used
 
 
-def _torchrun_argv(rendezvous: str, node: int, hosts: list[Host]) -> list[str]:
+def _torchrun_argv(rendezvous: str, node: int, hosts: list[Host], port: int | None = None,
+                   nproc: int = 1) -> list[str]:
     """The per-machine torchrun command of docs/multi_host.md for a 2-machine run."""
-    argv = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+    argv = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", str(nproc)]
     if rendezvous == "static":  # node_rank fixes which machine runs which ranks
         argv += ["--node_rank", str(node), "--master_addr", hosts[0].addr,
-                 "--master_port", str(STATIC_PORT)]
+                 "--master_port", str(port or STATIC_PORT)]
     else:
         # the host names of these namespaces resolve to 127.0.0.1 (as on many Debian
         # machines, 127.0.1.1): say which machine hosts the rendezvous and what each
         # machine's address is, instead of letting torchrun guess from the host name
-        argv += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts[0].addr}:{C10D_PORT}",
+        argv += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts[0].addr}:{port or C10D_PORT}",
                  "--local_addr", hosts[node].addr]
         if node == 0:
             argv += ["--rdzv_conf", "is_host=1"]
@@ -319,6 +332,142 @@ def test_pipelining_transformer_one_stage_per_host(hosts, tmp_path, rendezvous, 
     if rendezvous == "static":
         for run in runs:
             _assert_bound_to_own_address(run, ignore_ports=(STATIC_PORT,))
+
+
+# ------------------------- pipelining_transformer --dp_size 2: one pipeline replica per host
+
+# the tiny model on 4 ranks: dp=2 x pp=2, 2 micro-batches of 2 rows per replica and step
+DP_PIPELINE = (*PIPELINE[2:], "--world_size", "4", "--dp_size", "2", "--n_microbatches", "2",
+               "--schedule", "1F1B")
+
+
+def test_pipelining_transformer_dp2_x_pp2_one_replica_per_host(hosts, tmp_path):
+    from pipelining_transformer.main import build_parser, check_args, run_worker
+
+    results = distkit.launch(run_worker, _make_args(build_parser, check_args, *DP_PIPELINE))
+    (expected,) = [r["losses"] for r in results.values() if r["losses"] is not None]
+
+    # docs/multi_host.md's command: --nproc_per_node 2 gives each host one whole replica;
+    # the checkpoint directory is shared (the namespaces share this machine's files)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "losses.jsonl"
+    argv = (*DP_PIPELINE, "--checkpoint_dir", str(ckpt), "--checkpoint_every", "2",
+            "--loss_log", str(log))
+    jobs = [(host, [*_torchrun_argv("static", node, hosts, port=DP_PORT, nproc=2),
+                    "pipelining_transformer/main.py", *argv], PIPELINE_IFACES)
+            for node, host in enumerate(hosts[:2])]
+    runs = run_on_hosts(jobs, tmp_path)
+    _assert_all_succeeded(runs)
+
+    # host i runs replica i: ranks 2i (stage 0) and 2i + 1 (stage 1)
+    for node, run in enumerate(runs):
+        found = re.findall(r"\[rank (\d)\] stages \[(\d)\] of 2 \(1F1B, manual split, replica (\d) of 2\)",
+                           run.output)
+        assert sorted(found) == [(str(2 * node), "0", str(node)), (str(2 * node + 1), "1", str(node))], \
+            _outputs(runs)
+    # the first replica's last stage (rank 1, host 0) logs the batch's loss, averaged over
+    # both replicas: the one-machine run's, every step
+    printed = [_printed(r"\[rank \d\] step \d+/\d+  loss ([\d.]+)", run.output) for run in runs]
+    assert len(printed[1]) == 0, _outputs(runs)
+    torch.testing.assert_close(printed[0], expected, rtol=0, atol=1e-4,
+                               msg=lambda m: f"{m}\n{_outputs(runs)}")
+    logged = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    torch.testing.assert_close(logged, expected, msg=lambda m: f"{m}\n{_outputs(runs)}")
+    for run in runs:
+        _assert_bound_to_own_address(run, ignore_ports=(DP_PORT,))
+
+    # the checkpoint both hosts wrote at step 2 is one model: one machine with one pipeline
+    # (dp=1 x pp=2) resumes from it and logs the two-host run's next losses
+    resumed_log = tmp_path / "resumed.jsonl"
+    resumed = run_cli("pipelining_transformer/main.py", *DP_PIPELINE, "--world_size", "2",
+                      "--dp_size", "1", "--resume", str(ckpt / "step_2"),
+                      "--loss_log", str(resumed_log), timeout=180)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    next_losses = [json.loads(line)["loss"] for line in resumed_log.read_text().splitlines()]
+    torch.testing.assert_close(torch.tensor(next_losses), torch.tensor(logged[2:]))
+
+
+# --------------------- pipelining_transformer restarted by torchrun on both hosts after a kill
+
+ELASTIC_STEPS = 12
+# default dropout (0.1): only the random state in the checkpoint makes the resumed steps equal
+ELASTIC = ("--dim", "16", "--n_heads", "2", "--n_layers", "2", "--vocab_size", "32",
+           "--seq_len", "8", "--batch_size", "8", "--n_microbatches", "4", "--seed", "3",
+           "--threads", "1", "--steps", str(ELASTIC_STEPS))
+
+
+def _elastic_jobs(hosts: list[Host], port: int, max_restarts: int, *flags: str):
+    """docs/multi_host.md's restart command on 2 hosts: c10d, a new store per restart."""
+    env = {**PIPELINE_IFACES, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return [(host, [*_torchrun_argv("c10d", node, hosts, port=port), "--max-restarts",
+                    str(max_restarts), "pipelining_transformer/main.py", *ELASTIC, *flags], env)
+            for node, host in enumerate(hosts[:2])]
+
+
+def _kill_rank_0_once(marker: Path, killed: dict[str, int]) -> Callable[[list[int]], None]:
+    """A ``watch`` for run_on_hosts: once ``marker`` exists, SIGKILL rank 0's worker, on
+    whichever host the rendezvous put it (the rank that writes the markers and hosts the
+    store), and note that host and the pid torchrun will report."""
+    from test_elastic import workers_by_rank
+
+    def watch(launchers: list[int]) -> None:
+        if killed or not marker.exists():
+            return
+        for node, launcher in enumerate(launchers):
+            if 0 in (workers := workers_by_rank(launcher)):
+                # the pid torchrun reports: the last of NSpid's, the one in the host's namespace
+                status = Path(f"/proc/{workers[0]}/status").read_text()
+                (ns_pid,) = re.findall(r"^NSpid:.*\t(\d+)$", status, re.MULTILINE)
+                os.kill(workers[0], signal.SIGKILL)
+                killed.update(node=node, pid=int(ns_pid))
+    return watch
+
+
+def test_pipelining_transformer_sigkilled_worker_restarts_the_job_on_both_hosts(hosts, tmp_path):
+    from test_elastic import assert_equals_uninterrupted, logged, resumed_steps
+
+    reference = tmp_path / "uninterrupted.jsonl"
+    proc = run_cli("pipelining_transformer/main.py", *ELASTIC, "--world_size", "2",
+                   "--loss_log", str(reference), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    uninterrupted = dict(logged(reference))
+
+    ckpt, log = tmp_path / "ckpt", tmp_path / "losses.jsonl"
+    jobs = _elastic_jobs(hosts, ELASTIC_PORT, 1, "--checkpoint_dir", str(ckpt),
+                         "--checkpoint_every", "2", "--resume", "--loss_log", str(log))
+    killed: dict[str, int] = {}
+    marker = checkpoint.step_dir(ckpt, 4) / checkpoint.COMPLETE
+    runs = run_on_hosts(jobs, tmp_path, watch=_kill_rank_0_once(marker, killed))
+    _assert_all_succeeded(runs)
+    assert killed, f"rank 0 was never killed:\n{_outputs(runs)}"
+    # torchrun on the killed worker's host saw the kill, and restarted (--max-restarts 1)
+    assert f"failed (exitcode: -9) local_rank: 0 (pid: {killed['pid']})" in runs[killed["node"]].output, \
+        _outputs(runs)
+    # both hosts' workers resumed from the same checkpoint, with their random state
+    output = "".join(run.output for run in runs)
+    resumed = resumed_steps(output)
+    assert len(resumed) == 2 and len(set(resumed)) == 1 and resumed[0] >= 4, _outputs(runs)
+    assert output.count("random state restored") == 2, _outputs(runs)
+    assert_equals_uninterrupted(log, uninterrupted, resumed[0])
+    # the store rank 0 hosts (torchrun hosts none here) listens on its host's address only;
+    # torchrun's rendezvous store (ELASTIC_PORT) listens on every interface: torchrun's choice
+    for run in runs:
+        _assert_bound_to_own_address(run, ignore_ports=(ELASTIC_PORT,))
+
+
+def test_pipelining_transformer_kill_with_no_restarts_left_fails_both_hosts(hosts, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    jobs = _elastic_jobs(hosts, USED_UP_PORT, 0, "--steps", "100000", "--checkpoint_dir",
+                         str(ckpt), "--checkpoint_every", "2", "--resume")
+    killed: dict[str, int] = {}
+    marker = checkpoint.step_dir(ckpt, 2) / checkpoint.COMPLETE
+    # within run_on_hosts' HOST_TIMEOUT, start-up included: no host waits for the other
+    runs = run_on_hosts(jobs, tmp_path, watch=_kill_rank_0_once(marker, killed))
+    assert killed, f"rank 0 was never killed:\n{_outputs(runs)}"
+    assert all(run.returncode != 0 for run in runs), _outputs(runs)
+    # the killed worker's torchrun reports it as the root cause
+    output = runs[killed["node"]].output
+    report = output[output.index("Root Cause (first observed failure)"):]
+    assert f"exitcode  : -9 (pid: {killed['pid']})" in report, _outputs(runs)
 
 
 # ------------------------------------------------------- one host's command, results kept
