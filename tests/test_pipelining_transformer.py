@@ -184,6 +184,17 @@ def test_cli_training_run_lowers_the_loss():
     assert losses[-1] < 0.75 * losses[0], losses  # about 4.2 -> 2.5 (dropout 0.1 on)
 
 
+@pytest.mark.parametrize("first_step, status", [(0, 1), (8, 0)])
+def test_exit_status_judges_the_loss_of_a_run_from_step_0_only(first_step, status, monkeypatch, capsys):
+    # what run_worker returned on the ranks: the reporting one's loss rose
+    results = {0: {"losses": None, "first_step": first_step},
+               1: {"losses": [2.2372, 2.2731, 2.2869], "first_step": first_step}}
+    monkeypatch.setattr(distkit, "launch", lambda fn, args: results)
+    assert main(["--world_size", "2"]) == status
+    # a resumed run that is not judged says nothing; one from step 0 says why it failed
+    assert capsys.readouterr().err == ("The loss did not fall: 2.2372 -> 2.2869\n" if status else "")
+
+
 def test_torchrun_launch_with_v_shaped_schedule():
     proc = run_torchrun(2, "pipelining_transformer/main.py", "--schedule", "ZBVZeroBubble",
                         "--dim", "32", "--n_heads", "2", "--n_layers", "4", "--vocab_size", "64",
