@@ -379,7 +379,7 @@ def test_pipelining_transformer_dp2_x_pp2_one_replica_per_host(hosts, tmp_path):
     # (dp=1 x pp=2) resumes from it and logs the two-host run's next losses
     resumed_log = tmp_path / "resumed.jsonl"
     resumed = run_cli("pipelining_transformer/main.py", *DP_PIPELINE, "--world_size", "2",
-                      "--dp_size", "1", "--resume", str(ckpt / "step_2"),
+                      "--dp_size", "1", "--resume", str(checkpoint.step_dir(ckpt, 2)),
                       "--loss_log", str(resumed_log), timeout=180)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     next_losses = [json.loads(line)["loss"] for line in resumed_log.read_text().splitlines()]
@@ -388,8 +388,10 @@ def test_pipelining_transformer_dp2_x_pp2_one_replica_per_host(hosts, tmp_path):
 
 # --------------------- pipelining_transformer restarted by torchrun on both hosts after a kill
 
-ELASTIC_STEPS = 12
-# default dropout (0.1): only the random state in the checkpoint makes the resumed steps equal
+# The kill comes after step 4's checkpoint is seen (polled every 0.25 s); 40 steps of ~60 ms
+# leave it 2 s to come before the end. Default dropout (0.1): only the random state in the
+# checkpoint makes the resumed steps equal.
+ELASTIC_STEPS = 40
 ELASTIC = ("--dim", "16", "--n_heads", "2", "--n_layers", "2", "--vocab_size", "32",
            "--seq_len", "8", "--batch_size", "8", "--n_microbatches", "4", "--seed", "3",
            "--threads", "1", "--steps", str(ELASTIC_STEPS))
@@ -456,6 +458,7 @@ def test_pipelining_transformer_sigkilled_worker_restarts_the_job_on_both_hosts(
 
 def test_pipelining_transformer_kill_with_no_restarts_left_fails_both_hosts(hosts, tmp_path):
     ckpt = tmp_path / "ckpt"
+    # --steps again: the last one given counts
     jobs = _elastic_jobs(hosts, USED_UP_PORT, 0, "--steps", "100000", "--checkpoint_dir",
                          str(ckpt), "--checkpoint_every", "2", "--resume")
     killed: dict[str, int] = {}
