@@ -278,10 +278,11 @@ def test_ddp_rpc_roles_spread_over_three_hosts(hosts, tmp_path):
 # ------------------------------------------- pipelining_transformer, one stage per host
 
 # a tiny model; dropout 0 and SGD as in test_pipelining_transformer's equivalence tests
-PIPELINE = ("--world_size", "2", "--dim", "16", "--n_heads", "2", "--n_layers", "2",
-            "--vocab_size", "32", "--seq_len", "8", "--batch_size", "8", "--n_microbatches", "4",
-            "--steps", "4", "--dropout", "0", "--optimizer", "sgd", "--lr", "0.1", "--seed", "3",
-            "--threads", "1")
+TINY_MODEL = ("--dim", "16", "--n_heads", "2", "--n_layers", "2", "--vocab_size", "32",
+              "--seq_len", "8", "--batch_size", "8", "--n_microbatches", "4", "--seed", "3",
+              "--threads", "1")
+PIPELINE = (*TINY_MODEL, "--world_size", "2", "--steps", "4", "--dropout", "0",
+            "--optimizer", "sgd", "--lr", "0.1")
 PIPELINE_IFACES = {"GLOO_SOCKET_IFNAME": IFNAME}  # no RPC: TensorPipe is not used
 
 
@@ -337,7 +338,8 @@ def test_pipelining_transformer_one_stage_per_host(hosts, tmp_path, rendezvous, 
 # ------------------------- pipelining_transformer --dp_size 2: one pipeline replica per host
 
 # the tiny model on 4 ranks: dp=2 x pp=2, 2 micro-batches of 2 rows per replica and step
-DP_PIPELINE = (*PIPELINE[2:], "--world_size", "4", "--dp_size", "2", "--n_microbatches", "2",
+# (a flag given twice: the last one counts)
+DP_PIPELINE = (*PIPELINE, "--world_size", "4", "--dp_size", "2", "--n_microbatches", "2",
                "--schedule", "1F1B")
 
 
@@ -392,9 +394,7 @@ def test_pipelining_transformer_dp2_x_pp2_one_replica_per_host(hosts, tmp_path):
 # leave it 2 s to come before the end. Default dropout (0.1): only the random state in the
 # checkpoint makes the resumed steps equal.
 ELASTIC_STEPS = 40
-ELASTIC = ("--dim", "16", "--n_heads", "2", "--n_layers", "2", "--vocab_size", "32",
-           "--seq_len", "8", "--batch_size", "8", "--n_microbatches", "4", "--seed", "3",
-           "--threads", "1", "--steps", str(ELASTIC_STEPS))
+ELASTIC = (*TINY_MODEL, "--steps", str(ELASTIC_STEPS))
 
 
 def _elastic_jobs(hosts: list[Host], port: int, max_restarts: int, *flags: str):
@@ -458,7 +458,7 @@ def test_pipelining_transformer_sigkilled_worker_restarts_the_job_on_both_hosts(
 
 def test_pipelining_transformer_kill_with_no_restarts_left_fails_both_hosts(hosts, tmp_path):
     ckpt = tmp_path / "ckpt"
-    # --steps again: the last one given counts
+    # ELASTIC's --steps given again: the last one counts
     jobs = _elastic_jobs(hosts, USED_UP_PORT, 0, "--steps", "100000", "--checkpoint_dir",
                          str(ckpt), "--checkpoint_every", "2", "--resume")
     killed: dict[str, int] = {}
