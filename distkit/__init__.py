@@ -1,8 +1,24 @@
 """The little every example needs: launching, rendezvous, devices, logging and cleanup.
 
+Modules, each importing only those listed before it:
+  rendezvous  the job's store and its key prefixes (spawned, torchrun, several machines)
+  device      device and backend per rank; backends agreed across machines
+  worker      what runs inside every rank: logging, threads, cleanup, exit
+  launch      spawn the ranks here (or run this torchrun rank) and report a failed one
+  args        the shared flags and their one-line refusals before launch
+  timeline    spans and Chrome traces for the two pipeline examples
+
 The distributed logic of each tutorial stays in its own package; this one only gets the
 processes started, talking to each other, and reliably stopped.
 """
+from .args import (
+    ArgumentParser,
+    add_launch_args,
+    check_finite,
+    check_launch_args,
+    check_placements,
+    require_positive,
+)
 from .device import (
     DeviceError,
     Placement,
@@ -13,24 +29,9 @@ from .device import (
     pick_device,
     threads_per_process,
 )
-from .launch import (
-    ArgumentParser,
-    Worker,
-    add_launch_args,
-    check_finite,
-    check_launch_args,
-    check_placements,
-    cleanup,
-    exit_process,
-    job_store,
-    launch,
-    local_workers,
-    parse_ranks,
-    process_group_store,
-    require_positive,
-    silence_torchscript_optimizer_warning,
-    under_torchrun,
-)
+from .launch import launch, local_workers, parse_ranks
+from .rendezvous import job_store, process_group_store, under_torchrun
+from .worker import Worker, cleanup, exit_process, silence_torchscript_optimizer_warning
 
 __all__ = [
     "ArgumentParser", "DeviceError", "Placement", "Worker", "add_launch_args", "agree_on_backend",

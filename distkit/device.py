@@ -19,6 +19,8 @@ from datetime import timedelta
 
 import torch
 
+from .rendezvous import job_store, restart_key
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 log = logging.getLogger("distkit")
@@ -34,7 +36,6 @@ class Placement:
 
     device: torch.device
     backend: str | None = None
-
 
 
 def gpu_count() -> int:
@@ -103,8 +104,6 @@ def agree_on_backend(group: str, group_rank: int, group_size: int, placement: Pl
     hanging or crashing inside ``init_process_group``. Call it on every member, before
     ``init_process_group``.
     """
-    from .launch import job_store, restart_key  # launch imports this module
-
     # a torchrun restart may reuse the store: each attempt its own keys
     store = job_store(f"distkit/placement/{group}/{restart_key()}")
     mine = "|".join([socket.gethostname(), str(gpu_count()), str(placement.device), str(placement.backend)])

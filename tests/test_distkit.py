@@ -2,16 +2,21 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import signal
 import time
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import distkit
-from conftest import run_cli, run_torchrun
+from conftest import REPO, run_cli, run_torchrun
+
+MAX_LINES = 300  # distkit is the little every example needs, not a framework (issue 20)
 
 
 def launch_args(*argv: str, world_size: int = 2) -> argparse.Namespace:
@@ -21,6 +26,46 @@ def launch_args(*argv: str, world_size: int = 2) -> argparse.Namespace:
     args = parser.parse_args(list(argv))
     distkit.check_launch_args(parser, args, min_world_size=1)
     return args
+
+
+def distkit_imports(package: Path) -> dict[str, set[str]]:
+    """Which distkit modules each distkit module imports, at any depth of its code."""
+    graph = {}
+    for path in package.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distkit."):
+                found.add(node.module.split(".")[1])
+        graph[path.stem] = found
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (module names, the first repeated last), or None."""
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        for nxt in sorted(graph.get(node, ())):
+            cycle = visit(nxt, path + [node])
+            if cycle:
+                return cycle
+        return None
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        if cycle:
+            return cycle
+    return None
+
+
+@pytest.mark.fast
+def test_distkit_is_small_and_has_no_import_circle():
+    package = REPO / "distkit"
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # can fail
+    assert import_cycle(distkit_imports(package)) is None
+    long = {p.name: n for p in package.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"distkit files over {MAX_LINES} lines: {long}"
 
 
 def test_parse_ranks():

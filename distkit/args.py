@@ -1,0 +1,134 @@
+"""The flags every example shares, and one-line refusals of bad input before launch.
+
+``ArgumentParser`` turns every error into one line and exit status 2; ``add_launch_args``
+and ``check_launch_args`` are the launch flags (``--world_size``, ``--master_addr``,
+``--ranks``, ``--device``, ``--threads``, ``--rpc_timeout``) and their checks.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .device import DEVICE_CHOICES, DeviceError, Placement
+from .launch import local_workers, parse_ranks
+from .worker import Worker
+from .rendezvous import under_torchrun
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except the unset ones (their help says what happens instead)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage dump) and exit with status 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None,
+                    rpc_timeout: float | None = None, device: bool = True) -> None:
+    """The flags every example shares. ``world_size=None``: torchrun or --world_size decides.
+
+    ``rpc_timeout`` (seconds), for the RPC examples, becomes the ``--rpc_timeout`` default:
+    no RPC waits longer for a peer that is gone. ``device=False``: no ``--device`` flag, for
+    an example that runs on the CPU whatever is there (it would be a flag that does nothing).
+    """
+    g = parser.add_argument_group("launch")
+    if rpc_timeout is not None:
+        g.add_argument("--rpc_timeout", type=float, default=rpc_timeout,
+                       help="seconds an RPC may take before it fails")
+    g.add_argument("--world_size", type=int, default=None,
+                   help=f"number of processes in the job (default: {world_size or 'required'}; "
+                        "under torchrun: torchrun's)")
+    # kept apart from --world_size's own default, so that torchrun's WORLD_SIZE can win
+    # over the example's default but not over a --world_size the user typed
+    parser.set_defaults(default_world_size=world_size)
+    g.add_argument("--master_addr", default=None,
+                   help="address of the machine running rank 0 (default: 127.0.0.1, this machine)")
+    g.add_argument("--master_port", type=int, default=None,
+                   help="rendezvous port on the master (default: a free one chosen by the OS)")
+    g.add_argument("--ranks", default=None, metavar="A-B",
+                   help="ranks this machine runs, for a run over several machines (default: all)")
+    if device:
+        g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                       help="auto uses CUDA (and NCCL) where enough GPUs are visible, else CPU (and gloo)")
+    else:
+        parser.set_defaults(device="cpu")
+    g.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads per process (default: this machine's cores / its processes)")
+
+
+def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      min_world_size: int = 1, max_world_size: int | None = None) -> None:
+    """Reject bad launch flags with a one-line error before any process starts."""
+    if under_torchrun():
+        env_size = int(os.environ["WORLD_SIZE"])
+        if args.world_size not in (None, env_size):
+            parser.error(f"--world_size {args.world_size} disagrees with torchrun's WORLD_SIZE={env_size}")
+        args.world_size = env_size
+    if args.world_size is None:
+        args.world_size = getattr(args, "default_world_size", None)
+    if args.world_size is None:
+        parser.error("--world_size is required")
+    if args.world_size < min_world_size:
+        parser.error(f"--world_size must be at least {min_world_size}, got {args.world_size}")
+    if max_world_size is not None and args.world_size > max_world_size:
+        parser.error(f"--world_size must be at most {max_world_size}, got {args.world_size}")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        parser.error(f"--master_port must be in 1..65535, got {args.master_port}")
+    if hasattr(args, "rpc_timeout"):  # nan or inf would leave every RPC unbounded
+        require_positive(parser, "--rpc_timeout", args.rpc_timeout)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    try:
+        ranks = parse_ranks(args.ranks, args.world_size)
+    except ValueError as e:
+        parser.error(str(e))
+    if 0 not in ranks and (args.master_addr is None or args.master_port is None):
+        parser.error("a machine that does not run rank 0 needs --master_addr and --master_port")
+
+
+def require_positive(parser: argparse.ArgumentParser, flag: str, value: float) -> None:
+    """A one-line error unless ``value`` is a positive, finite number.
+
+    argparse's ``float`` accepts "nan" and "inf", and ``nan <= 0`` is False, so a plain
+    ``value <= 0`` check lets both through.
+    """
+    if not (math.isfinite(value) and value > 0):
+        parser.error(f"{flag} must be a positive number, got {value}")
+
+
+def check_finite(loss: float, where: str) -> float:
+    """``loss`` if it is a finite number, else FloatingPointError naming ``where``.
+
+    A nan or inf loss poisons every parameter at the next step, and training on from there
+    prints nan and exits 0: stop the job instead (the launcher reports it, exit status 1).
+    """
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"the loss is {loss} at {where}: training diverged "
+                                 "(try a lower --lr or other sizes)")
+    return loss
+
+
+def check_placements(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     placement: Callable[[Worker, argparse.Namespace], Placement]) -> None:
+    """Ask an example's ``placement(worker, args)`` for every local process before any starts:
+    a device this machine cannot provide is a one-line error (exit 2), not a worker's crash."""
+    for worker in local_workers(args):
+        try:
+            placement(worker, args)
+        except DeviceError as e:
+            parser.error(str(e))
