@@ -21,7 +21,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 
 import torch
 import torch.distributed.rpc as rpc
@@ -30,6 +29,7 @@ import distkit
 from rpc_rl.agent import AGENT_NAME, OBSERVER_NAME, Agent
 from rpc_rl.batched import BatchAgent
 from rpc_rl.play import load_policy, play, save_policy
+from rpc_rl.record import EpisodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -106,29 +106,30 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     agent = (BatchAgent if args.batch else Agent)(worker.world_size, args.gamma, args.seed)
     if args.reward_threshold is not None:
         agent.reward_threshold = args.reward_threshold
+    # rewards, environment steps and seconds, counted outside the loop (rpc_rl/record.py)
+    record = EpisodeRecord.attach(agent)
     log.info(f"This will run until reward threshold of {agent.reward_threshold} is reached "
              f"or {args.max_episodes} episodes have run.")
-    history: list[float] = []
-    solved, steps, start = False, 0, time.perf_counter()
     for i_episode in range(1, args.max_episodes + 1):
-        steps += sum(agent.run_episode().values())
+        agent.run_episode()
         last_reward = agent.finish_episode()
-        history.append(last_reward)
+
         if i_episode % args.log_interval == 0:
             log.info(f"Episode {i_episode}\tLast reward: {last_reward:.2f}\tAverage reward: "
                      f"{agent.running_reward:.2f}")
         if agent.running_reward > agent.reward_threshold:
             log.info(f"Solved! Running reward is now {agent.running_reward}!")
-            solved = True
             break
-    seconds = time.perf_counter() - start
     if args.save:
-        save_policy(agent.policy, args.save, episodes=len(history), running_reward=agent.running_reward)
+        save_policy(agent.policy, args.save, episodes=len(record.rewards),
+                    running_reward=agent.running_reward)
         log.info(f"Policy saved to {args.save}")
     rpc.shutdown()
-    return {"solved": solved, "episodes": len(history), "rewards": history,
+    return {"solved": agent.running_reward > agent.reward_threshold,
+            "episodes": len(record.rewards), "rewards": record.rewards,
             "running_reward": agent.running_reward, "threshold": agent.reward_threshold,
-            "env_steps": steps, "seconds": seconds, "policy": agent.policy.state_dict()}
+            "env_steps": record.env_steps, "seconds": record.seconds,
+            "policy": agent.policy.state_dict()}
 
 
 def main(argv: list[str] | None = None) -> int:
