@@ -19,12 +19,17 @@ One rank per process under torchrun works too:
 Prints "number of splits = N, execution time = T" for each N, then a table: every speed-up
 beside the machine's bound (and the classic two-stage 2m/(m+1)). Measured timelines:
     python rpc_pipeline_resnet/main.py --splits 1 4 --trace traces/   # Perfetto JSON + PNG
+
+The tutorial's model is in model.py, its training loop (``run_master``) and ``run_worker``
+here. What is measured (measure.py: clocks, CPU time, page faults; trace.py: --trace spans)
+attaches from outside: ``run_worker`` hands ``run_master`` a ``Meter`` as ``on_batch``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -34,11 +39,9 @@ import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
 
 import distkit
-from distkit.timeline import (Recorder, clock, plot_timelines, spans_from_dicts, spans_to_dicts,
-                              write_chrome_trace)
-from rpc_pipeline_resnet.measure import (batch_floor, process_stats, report, state_digest,
-                                         steady_malloc)
+from rpc_pipeline_resnet.measure import Meter, print_report, steady_malloc
 from rpc_pipeline_resnet.model import NUM_CLASSES, DistResNet50
+from rpc_pipeline_resnet.trace import Tracer, write_trace
 
 log = logging.getLogger(__name__)
 
@@ -114,88 +117,55 @@ def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Place
     return distkit.Placement(distkit.pick_device(args.device, worker.rank - 1))
 
 
-def all_stats() -> list[dict]:
-    """process_stats of the master, worker1 and worker2, read as close together as RPC allows."""
-    futures = [rpc.rpc_async(name, process_stats) for name in WORKERS]
-    return [process_stats(), *(f.wait() for f in futures)]
+def shard_devices(args: argparse.Namespace) -> list[torch.device]:
+    """Each worker picks its shard's device itself: it knows its own GPUs (shard i gets
+    cuda:i with two GPUs, both share cuda:0 with one, CPU with none or --device cpu)."""
+    return [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i))
+            for i, name in enumerate(WORKERS)]
 
 
-def _digest(module_rref) -> str:
-    return state_digest(module_rref.local_value())
+def no_extras(model: DistResNet50, i: int) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
-def run_master(num_split: int, args: argparse.Namespace, states: bool = False) -> dict:
-    """Train a fresh DistResNet50 for --num_batches batches cut into ``num_split`` micro-batches.
+def run_master(num_split: int, args: argparse.Namespace,
+               on_batch: Callable[[DistResNet50, int], contextlib.AbstractContextManager] = no_extras,
+               ) -> list[float]:
+    """The tutorial's training loop: a fresh DistResNet50, ``num_split`` micro-batches a batch.
 
-    ``states``: also return both shards' weights and BatchNorm statistics before the first
-    batch and after the last (CPU copies: what tests compare with one process).
+    Trains --warmup + --num_batches batches and returns their losses. ``on_batch(model, i)``
+    is entered around each batch: measure.Meter's clocks (and trace.Tracer's spans) attach
+    there, outside the loop.
     """
-    # each worker picks its shard's device itself: it knows its own GPUs (shard i gets
-    # cuda:i with two GPUs, both share cuda:0 with one, CPU with none or --device cpu)
-    devices = [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i))
-               for i, name in enumerate(WORKERS)]
     # put the two model parts on worker1 and worker2 respectively; built from --seed, so
     # every split value starts from the same weights
-    trace = getattr(args, "trace", None) is not None  # a Namespace built by hand may lack it
-    model = DistResNet50(num_split, WORKERS, devices, num_classes=args.num_classes,
-                         seed=args.seed, trace=trace)
-    digests = [rpc.rpc_sync(r.owner(), _digest, args=(r,)) for r in (model.p1_rref, model.p2_rref)]
+    model = DistResNet50(num_split, WORKERS, shard_devices(args), num_classes=args.num_classes,
+                         seed=args.seed)
     loss_fn = nn.MSELoss()
-    opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=args.lr)
-    initial = model.shard_states() if states else None
-    rec = Recorder(0)
+    opt = DistributedOptimizer(
+        optim.SGD,
+        model.parameter_rrefs(),
+        lr=args.lr,
+    )
 
     # the same seeded data for every num_split, so the runs differ only in pipelining
     gen = torch.Generator().manual_seed(args.seed)
     one_hot_indices = torch.randint(0, args.num_classes, (args.batch_size, 1), generator=gen)
-    losses, batch_times, cpu_times, windows = [], [], [0.0, 0.0], []
-    batch_cpu, floor_times, faults = [], [], []
+    losses = []
     for i in range(args.warmup + args.num_batches):
-        timed = i >= args.warmup
-        log.info(f"Processing batch {i}" + ("" if timed else " (warm-up, not timed)"))
+        log.info(f"Processing batch {i}")
         # generate random inputs and labels
         inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
         labels = torch.zeros(args.batch_size, args.num_classes).scatter_(1, one_hot_indices, 1)
-        # the wall clock runs from before the CPU clocks are read to after they are read
-        # again: every CPU second they count falls inside it, so CPU / cores <= wall holds
-        tik = clock()
-        before = all_stats()
         # the context collects the gradients on every worker the forward pass touched; there
         # is no zero_grad because each batch gets a fresh context (and fresh gradients)
-        with dist_autograd.context() as context_id:
-            t0 = clock()
+        with on_batch(model, i), dist_autograd.context() as context_id:
             outputs = model(inputs)
-            t1 = clock()
-            loss = loss_fn(outputs, labels)
-            t2 = clock()
+            loss = loss_fn(outputs, labels)  # kept: the run reports it
             dist_autograd.backward(context_id, [loss])
-            t3 = clock()
             opt.step(context_id)
-            t4 = clock()
-        after = all_stats()
-        tok = clock()
-        for kind, start, end in (("recv", t0, t1), ("loss", t1, t2), ("wait", t2, t3),
-                                 ("step", t3, t4)):
-            rec.add(kind, start, end)  # the master waits for logits, gradients, the step
-        windows.append((tik, tok))
-        if timed:
-            batch_times.append(tok - tik)
-            cpu, floor, n_faults = batch_floor(before, after)
-            batch_cpu.append(cpu)
-            floor_times.append(floor)
-            faults.append(n_faults)
-            cpu_times = [t + a["cpu"] - b["cpu"] for t, b, a in zip(cpu_times, before[1:], after[1:])]
         losses.append(distkit.check_finite(loss.item(), f"batch {i} with {num_split} splits"))
-    log.info(f"number of splits = {num_split}, execution time = {sum(batch_times)}")
-    spans = spans_to_dicts(rec.spans) + model.take_spans() if trace else []
-    result = {"num_split": num_split, "time": sum(batch_times), "losses": losses,
-              "batch_times": batch_times, "cpu_times": cpu_times, "devices": [str(d) for d in devices],
-              # measured CPU work (all three processes) and the wall time it needs at least
-              "batch_cpu": batch_cpu, "floor": sum(floor_times), "faults": faults,
-              "init_digests": digests, "windows": windows[args.warmup:], "spans": spans}
-    if states:
-        result |= {"before": initial, "after": model.shard_states()}
-    return result
+    return losses
 
 
 def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOptions:
@@ -207,42 +177,36 @@ def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOpt
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
-    """Rank 0 is the master and trains; ranks 1 and 2 host the shards and wait for its RPCs."""
-    if not getattr(args, "default_malloc", False):
+    """Rank 0 is the master and trains; ranks 1 and 2 host the shards and wait for its RPCs.
+
+    The master trains one fresh model per --splits value; returns (rank 0) one measured
+    run per value (measure.Meter.result).
+    """
+    if not args.default_malloc:
         steady_malloc()  # before the large tensors: see measure.py
     torch.manual_seed(args.seed + worker.rank)
     distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
     options = rpc_backend_options(args)
     if worker.rank == 0:
         rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)
-        results = [run_master(num_split, args) for num_split in args.splits]
+        runs = []
+        for num_split in args.splits:
+            # clocks, CPU time and page faults around every batch; spans with --trace
+            meter = Meter(args, tracer=Tracer() if args.trace is not None else None)
+            losses = run_master(num_split, args, on_batch=meter)
+            runs.append(meter.result(num_split, losses))
+            log.info(f"number of splits = {num_split}, execution time = {runs[-1]['time']}")
     else:
         if args.threads is None:
             # the master only computes the loss: the two shards share this machine's cores
             # (one thread each on 2 cores), so both can run at the same time
             torch.set_num_threads(distkit.threads_per_process(min(2, worker.local_world_size)))
-        rpc.init_rpc(WORKERS[worker.rank - 1], rank=worker.rank, world_size=worker.world_size,
+        rpc.init_rpc(f"worker{worker.rank}", rank=worker.rank, world_size=worker.world_size,
                      rpc_backend_options=options)
-        results = None
+        runs = None
     # block until all rpcs finish
     rpc.shutdown()
-    return results
-
-
-def write_trace(directory: str, runs: list[dict]) -> list[Path]:
-    """splits_N.json per split value (all ranks, one clock) and timeline.png (last timed batch)."""
-    paths, panels = [], []
-    for run in runs:
-        spans = spans_from_dicts(run["spans"])
-        m = run["num_split"]
-        paths.append(write_chrome_trace(Path(directory) / f"splits_{m}.json", spans))
-        start, end = run["windows"][-1]
-        last = [s for s in spans if start <= s.start <= end]
-        panels.append((f"{m} split{'s' * (m > 1)}: last timed batch, {end - start:.2f} s "
-                       f"(rank 0 master, rank 1 shard 1, rank 2 shard 2)", last))
-    paths.append(plot_timelines(Path(directory) / "timeline.png", panels,
-                                title="rpc_pipeline_resnet: measured timeline per rank"))
-    return paths
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,20 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = distkit.launch(run_worker, args).get(0)
     if runs is None:  # a torchrun rank other than 0
         return 0
-    print(f"devices: worker1 {runs[0]['devices'][0]}, worker2 {runs[0]['devices'][1]}; batches of "
-          f"{args.batch_size} x 3 x {args.image_size} x {args.image_size}; {args.num_batches} timed "
-          f"after {args.warmup} warm-up")
-    # speed-up over the fewest splits; bound: the machine's (the base's CPU work over the
-    # cores); 2m/(m+1): two equal serial stages, which these shards are not (the README);
-    # busy = CPU seconds of all three processes / wall seconds (at most the cores);
-    # work = CPU seconds / the base's; faults: page faults per batch, all processes
-    print("splits  time (s)  speed-up  bound  2m/(m+1)  busy  work  shard CPU (s)  faults  "
-          "loss of each batch")
-    for r in report(runs):
-        print(f"{r['splits']:6d}  {r['time']:8.2f}  {r['speed-up']:7.2f}x {r['bound']:5.2f}x "
-              f"{r['classic']:8.2f}x  {r['busy']:4.2f}  {r['work']:4.2f}  "
-              f"{r['cpu'][0]:6.2f} {r['cpu'][1]:6.2f}  {r['faults']:6.0f}  "
-              f"{' '.join(f'{x:.4f}' for x in r['losses'])}{'  ' + r['flag'] if r['flag'] else ''}")
+    print_report(args, runs)
     if args.trace is not None:
         for path in write_trace(args.trace, runs):
             print(f"trace written to {path}")

@@ -1,7 +1,12 @@
-"""What makes the example's timings trustworthy: steady memory, CPU work, the machine's bound.
+"""Measurement around the tutorial's loop: timings, CPU work, page faults, the machine's bound.
 
-Measured on the 2-core reference machine (see the README, "Why the first run was slow"):
-glibc's malloc hands the memory of large freed tensors back to the kernel (``munmap`` of
+``Meter`` is what ``run_worker`` hands to ``run_master`` as ``on_batch``: it wraps every batch
+with clocks and every process's CPU time and page faults (and, with ``--trace``, a
+``trace.Tracer``), and ``Meter.result`` gathers them with the losses into one run's dict.
+``print_report`` prints the table ``main`` shows.
+
+Steady memory makes the timings trustworthy. Measured on the 2-core reference machine
+(docs/rpc_pipeline_resnet.md, "Why the first run was slow"): glibc's malloc hands the memory of large freed tensors back to the kernel (``munmap`` of
 big blocks, trimming of the heap top) and gives every new thread its own arena. The next
 batch then takes a page fault on every 4 KiB page it touches again, about 2 us each, and
 the RPC agent runs each request on one of many pool threads, each with its own arena to
@@ -10,15 +15,26 @@ fill. How much that costs depends on what ran before, which made the first run o
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
+import logging
 import os
 import resource
 import socket
 import time
+from collections.abc import Iterator
 
 import torch
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+from torch.distributed.rpc import RRef
+
+from distkit.timeline import clock
+
+log = logging.getLogger(__name__)
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
@@ -114,3 +130,108 @@ def report(runs: list[dict]) -> list[dict]:
                      "cpu": run["cpu_times"], "faults": sum(run["faults"]) / len(run["faults"]),
                      "losses": run["losses"], "flag": " ".join(flags)})
     return rows
+
+
+def _on_owner(model: nn.Module, fn, *args) -> list:
+    """``fn(shard_rref, *args)`` run on each shard's worker, results in shard order."""
+    futures = [rpc.rpc_async(r.owner(), fn, args=(r, *args)) for r in (model.p1_rref, model.p2_rref)]
+    return [f.wait() for f in futures]
+
+
+def _digest(shard_rref: RRef) -> str:
+    return state_digest(shard_rref.local_value())
+
+
+def _device(shard_rref: RRef) -> str:
+    return str(shard_rref.local_value().device)
+
+
+def _state_copy(shard_rref: RRef) -> dict[str, torch.Tensor]:
+    """A CPU copy of the shard's weights and BatchNorm statistics."""
+    return {k: v.detach().cpu().clone() for k, v in shard_rref.local_value().state_dict().items()}
+
+
+def all_stats(model: nn.Module) -> list[dict]:
+    """process_stats of the master and both shards' workers, read as close together as RPC allows."""
+    futures = [rpc.rpc_async(r.owner(), process_stats) for r in (model.p1_rref, model.p2_rref)]
+    return [process_stats(), *(f.wait() for f in futures)]
+
+
+class Meter:
+    """``run_master``'s ``on_batch``: measures every batch from outside the tutorial's loop.
+
+    Before the first batch it reads the shards' devices and weight digests (``states``:
+    also CPU copies of their weights, for the parity tests). Around every batch it reads
+    the wall clock and all three processes' CPU seconds and page faults; batches before
+    ``--warmup`` are run but not counted. ``tracer`` (a ``trace.Tracer``) records spans.
+    """
+
+    def __init__(self, args: argparse.Namespace, tracer=None, states: bool = False) -> None:
+        self.warmup = args.warmup
+        self.tracer, self.states = tracer, states
+        self.model: nn.Module | None = None
+        self.first: dict = {}
+        self.windows: list[tuple[float, float]] = []
+        self.batch_times: list[float] = []
+        self.batch_cpu: list[float] = []
+        self.floor_times: list[float] = []
+        self.faults: list[int] = []
+        self.cpu_times = [0.0, 0.0]
+
+    @contextlib.contextmanager
+    def __call__(self, model: nn.Module, i: int) -> Iterator[None]:
+        if self.model is None:
+            self.model = model
+            self.first = {"devices": _on_owner(model, _device), "init_digests": _on_owner(model, _digest)}
+            if self.states:
+                self.first["before"] = _on_owner(model, _state_copy)
+        timed = i >= self.warmup
+        if not timed:
+            log.info(f"batch {i} is a warm-up batch, not timed")
+        # the wall clock runs from before the CPU clocks are read to after they are read
+        # again: every CPU second they count falls inside it, so CPU / cores <= wall holds
+        tik = clock()
+        before = all_stats(model)
+        with self.tracer.batch(model) if self.tracer else contextlib.nullcontext():
+            yield
+        after = all_stats(model)
+        tok = clock()
+        self.windows.append((tik, tok))
+        if timed:
+            self.batch_times.append(tok - tik)
+            cpu, floor, n_faults = batch_floor(before, after)
+            self.batch_cpu.append(cpu)
+            self.floor_times.append(floor)
+            self.faults.append(n_faults)
+            self.cpu_times = [t + a["cpu"] - b["cpu"]
+                              for t, b, a in zip(self.cpu_times, before[1:], after[1:])]
+
+    def result(self, num_split: int, losses: list[float]) -> dict:
+        """One run: its losses beside everything measured (what ``print_report`` reads)."""
+        result = {"num_split": num_split, "time": sum(self.batch_times), "losses": losses,
+                  "batch_times": self.batch_times, "cpu_times": self.cpu_times,
+                  # measured CPU work (all three processes) and the wall time it needs at least
+                  "batch_cpu": self.batch_cpu, "floor": sum(self.floor_times), "faults": self.faults,
+                  "windows": self.windows[self.warmup:],
+                  "spans": self.tracer.spans(num_split) if self.tracer else []} | self.first
+        if self.states:
+            result["after"] = _on_owner(self.model, _state_copy)
+        return result
+
+
+def print_report(args: argparse.Namespace, runs: list[dict]) -> None:
+    """The table ``main`` prints: every run's speed-up beside its bounds, and its losses."""
+    print(f"devices: worker1 {runs[0]['devices'][0]}, worker2 {runs[0]['devices'][1]}; batches of "
+          f"{args.batch_size} x 3 x {args.image_size} x {args.image_size}; {args.num_batches} timed "
+          f"after {args.warmup} warm-up")
+    # speed-up over the fewest splits; bound: the machine's (the base's CPU work over the
+    # cores); 2m/(m+1): two equal serial stages, which these shards are not (docs/);
+    # busy = CPU seconds of all three processes / wall seconds (at most the cores);
+    # work = CPU seconds / the base's; faults: page faults per batch, all processes
+    print("splits  time (s)  speed-up  bound  2m/(m+1)  busy  work  shard CPU (s)  faults  "
+          "loss of each batch")
+    for r in report(runs):
+        print(f"{r['splits']:6d}  {r['time']:8.2f}  {r['speed-up']:7.2f}x {r['bound']:5.2f}x "
+              f"{r['classic']:8.2f}x  {r['busy']:4.2f}  {r['work']:4.2f}  "
+              f"{r['cpu'][0]:6.2f} {r['cpu'][1]:6.2f}  {r['faults']:6.0f}  "
+              f"{' '.join(f'{x:.4f}' for x in r['losses'])}{'  ' + r['flag'] if r['flag'] else ''}")

@@ -7,9 +7,8 @@ micro-batches and fires them all off asynchronously, so while shard 2 works on m
 i, shard 1 already works on micro-batch i + 1.
 
 ``seed`` builds a shard's weights from its own generator state, so that every model built
-with one seed starts from the same weights whatever ran before. ``trace=True`` makes a
-shard record when it received, forwarded and back-propagated every micro-batch
-(``distkit.timeline`` spans); the master collects them with ``take_spans``.
+with one seed starts from the same weights whatever ran before. Nothing here measures or
+traces: ``measure.py`` and ``trace.py`` attach to these classes from outside.
 """
 from __future__ import annotations
 
@@ -24,10 +23,7 @@ import torch.nn as nn
 from torch.distributed.rpc import RRef
 from torchvision.models.resnet import Bottleneck
 
-from distkit.timeline import Recorder, clock, spans_to_dicts
-
 NUM_CLASSES = 1000
-LOCK_WAIT_MIN = 1e-3  # seconds: shorter waits for a shard's lock are not worth a span
 
 
 @contextlib.contextmanager
@@ -58,16 +54,11 @@ class ResNetBase(nn.Module):
     at once (the trace shows it).
     """
 
-    stage = 0  # the shard's place in the pipeline (ResNetShard2: 1)
-
-    def __init__(self, block: type[Bottleneck], inplanes: int, *, num_classes: int = NUM_CLASSES,
+    def __init__(self, block: type[Bottleneck], inplanes: int, num_classes: int = NUM_CLASSES,
                  groups: int = 1, width_per_group: int = 64,
-                 norm_layer: type[nn.Module] | None = None, trace: bool = False) -> None:
+                 norm_layer: type[nn.Module] | None = None) -> None:
         super().__init__()
         self._lock = threading.Lock()
-        # built on the shard's own worker (rpc.remote), so its RPC id is that worker's rank
-        self.recorder = Recorder(_rpc_rank()) if trace else None
-        self._backward_start: dict[int | None, float] = {}
         self._block = block
         self._norm_layer = norm_layer or nn.BatchNorm2d
         self.num_classes = num_classes
@@ -85,8 +76,9 @@ class ResNetBase(nn.Module):
                 conv1x1(self.inplanes, planes * self._block.expansion, stride),
                 norm_layer(planes * self._block.expansion),
             )
-        layers = [self._block(self.inplanes, planes, stride, downsample, self.groups,
-                              self.base_width, previous_dilation, norm_layer)]
+        layers = []
+        layers.append(self._block(self.inplanes, planes, stride, downsample, self.groups,
+                                  self.base_width, previous_dilation, norm_layer))
         self.inplanes = planes * self._block.expansion
         for _ in range(1, blocks):
             layers.append(self._block(self.inplanes, planes, groups=self.groups,
@@ -99,81 +91,16 @@ class ResNetBase(nn.Module):
         # to DistributedOptimizer, which then steps each parameter where it lives
         return [RRef(p) for p in self.parameters()]
 
-    def layers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shard's layers: (output of the first layer, output of the shard)."""
-        raise NotImplementedError
-
-    def forward(self, x_rref: RRef, microbatch: int | None = None) -> torch.Tensor:
-        start = clock()
-        # shard 1 fetches the micro-batch from the master, shard 2 waits here for shard 1's
-        # output of the same micro-batch (y_rref is resolved only once shard 1 has run)
-        x = x_rref.to_here().to(self.device)
-        received = clock()
-        with self._lock:
-            begin = clock()
-            first, out = self.layers(x)
-            end = clock()
-        # RPC moves CPU tensors: the master and the other worker may have no (or other) GPUs
-        out = out.cpu()
-        if self.recorder is not None:
-            rec, stage = self.recorder, self.stage
-            rec.add("recv", start, received, stage, microbatch)
-            if begin - received >= LOCK_WAIT_MIN:
-                rec.add("wait", received, begin, stage, microbatch)
-            rec.add("F", begin, end, stage, microbatch)
-            if out.requires_grad:
-                self._time_backward(x, first, out, microbatch)
-        return out
-
-    def _time_backward(self, x: torch.Tensor, first: torch.Tensor, out: torch.Tensor,
-                       microbatch: int | None) -> None:
-        """Record this micro-batch's backward through the shard as one span ``B``.
-
-        It starts when the gradient of the shard's output arrives (a hook on ``out`` runs
-        before anything of the shard's backward does) and ends when the last gradient of
-        the shard is computed: the gradient of its input when the input needs one (shard
-        2: it is then sent back to shard 1), else the first layer's backward node (shard
-        1's conv1: every other node of the shard feeds it). Parameters' gradients are
-        produced by the same nodes, so nothing of the shard runs outside the span but the
-        accumulation into the distributed autograd context.
-        """
-        def started(grad: torch.Tensor) -> None:
-            self._backward_start[microbatch] = clock()
-
-        def ended(*_: Any) -> None:
-            end = clock()
-            self.recorder.add("B", self._backward_start.pop(microbatch, end), end, self.stage,
-                              microbatch)
-
-        out.register_hook(started)
-        if x.requires_grad:
-            x.register_hook(ended)
-        else:
-            first.grad_fn.register_hook(ended)  # a node's post-hook: after it ran
-
-    def take_spans(self) -> list[dict]:
-        """The spans recorded so far (as dicts, to travel over RPC), and forget them."""
-        if self.recorder is None:
-            return []
-        spans, self.recorder.spans = self.recorder.spans, []
-        return spans_to_dicts(spans)
-
-
-def _rpc_rank() -> int:
-    """This process's RPC rank; 0 outside an RPC job (tests, single-process references)."""
-    try:
-        return rpc.get_worker_info().id
-    except RuntimeError:
-        return 0
-
 
 class ResNetShard1(ResNetBase):
     """First half of ResNet50 (conv1 .. layer2), on worker1. Returns CPU activations."""
 
-    def __init__(self, device: torch.device | str, *, seed: int | None = None,
+    def __init__(self, device: torch.device | str, *args: Any, seed: int | None = None,
                  **kwargs: Any) -> None:
-        super().__init__(Bottleneck, 64, **kwargs)
+        super().__init__(Bottleneck, 64, *args, **kwargs)
         self.device = torch.device(device)
+        # built and initialised on the CPU from the seed, then moved (the tutorial
+        # initialised after .to(device), drawing on the GPU's generator)
         with seeded(seed):
             self.seq = nn.Sequential(
                 nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False),
@@ -191,37 +118,36 @@ class ResNetShard1(ResNetBase):
                     nn.init.constant_(m.bias, 0)
         self.seq.to(self.device)
 
-    def layers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        first = self.seq[0](x)
-        return first, self.seq[1:](first)
+    def forward(self, x_rref: RRef) -> torch.Tensor:
+        x = x_rref.to_here().to(self.device)
+        with self._lock:
+            out = self.seq(x)
+        # RPC moves CPU tensors: the master and the other worker may have no (or other) GPUs
+        return out.cpu()
 
 
 class ResNetShard2(ResNetBase):
     """Second half of ResNet50 (layer3 .. avgpool, fc), on worker2. Returns CPU logits."""
 
-    stage = 1
-
-    def __init__(self, device: torch.device | str, *, seed: int | None = None,
+    def __init__(self, device: torch.device | str, *args: Any, seed: int | None = None,
                  **kwargs: Any) -> None:
-        super().__init__(Bottleneck, 512, **kwargs)
+        super().__init__(Bottleneck, 512, *args, **kwargs)
         self.device = torch.device(device)
         with seeded(seed):
             self.seq = nn.Sequential(
                 self._make_layer(256, 6, stride=2),
                 self._make_layer(512, 3, stride=2),
                 nn.AdaptiveAvgPool2d((1, 1)),
-            )
-            self.fc = nn.Linear(512 * self._block.expansion, self.num_classes)
-        self.to(self.device)
+            ).to(self.device)
+            self.fc = nn.Linear(512 * self._block.expansion, self.num_classes).to(self.device)
 
-    def layers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        first = self.seq[0](x)
-        return first, self.fc(torch.flatten(self.seq[1:](first), 1))
-
-
-def _state_copy(module_rref: RRef) -> dict[str, torch.Tensor]:
-    """Runs on the shard's owner: a CPU copy of its weights and BatchNorm statistics."""
-    return {k: v.detach().cpu().clone() for k, v in module_rref.local_value().state_dict().items()}
+    def forward(self, x_rref: RRef) -> torch.Tensor:
+        # shard 2 waits here for shard 1's output of the same micro-batch (y_rref is
+        # resolved only once shard 1 has run)
+        x = x_rref.to_here().to(self.device)
+        with self._lock:
+            out = self.fc(torch.flatten(self.seq(x), 1))
+        return out.cpu()
 
 
 def _set_training(module_rref: RRef, mode: bool) -> None:
@@ -234,6 +160,7 @@ class DistResNet50(nn.Module):
 
     ``num_split`` is the number of micro-batches per batch (the tutorial's code read an
     undefined ``self.split_size``; upstream used the number as the micro-batch *size*).
+    ``devices``: the shards' devices (the tutorial hard-codes "cuda:0" and "cuda:1").
     With ``seed``, shard 1 is built from ``seed`` and shard 2 from ``seed + 1``: every model
     built with one seed starts from the same weights (the workers' global generators move
     on with every model they build).
@@ -246,28 +173,36 @@ class DistResNet50(nn.Module):
         self.num_split = num_split
         seeds = (None, None) if seed is None else (seed, seed + 1)
         # Put the first part of the ResNet50 on workers[0]
-        self.p1_rref = rpc.remote(workers[0], ResNetShard1, args=(devices[0],) + args,
-                                  kwargs={**kwargs, "seed": seeds[0]})
+        self.p1_rref = rpc.remote(
+            workers[0],
+            ResNetShard1,
+            args=(devices[0],) + args,
+            kwargs={**kwargs, "seed": seeds[0]},
+        )
         # Put the second part of the ResNet50 on workers[1]
-        self.p2_rref = rpc.remote(workers[1], ResNetShard2, args=(devices[1],) + args,
-                                  kwargs={**kwargs, "seed": seeds[1]})
+        self.p2_rref = rpc.remote(
+            workers[1],
+            ResNetShard2,
+            args=(devices[1],) + args,
+            kwargs={**kwargs, "seed": seeds[1]},
+        )
         # rref.rpc_async() needs the type of the object behind the RRef. Until it has it, it
         # sends the RPC from a callback, on a thread outside this dist_autograd context, and
         # that micro-batch silently gets no gradients. Learn both types now, the way the RRef
-        # proxies ask for them (the RRef caches this future and they reuse it).
+        # proxies ask for them (private, no public way: the RRef caches this future and the
+        # proxies reuse it).
         for rref in (self.p1_rref, self.p2_rref):
             rref._get_type(blocking=False).wait()
 
     def forward(self, xs: torch.Tensor) -> torch.Tensor:
         out_futures = []
         # tensor_split: exactly num_split micro-batches whose sizes differ by at most one
-        for i, x in enumerate(xs.tensor_split(self.num_split, dim=0)):
+        for x in xs.tensor_split(self.num_split, dim=0):
             x_rref = RRef(x)
             # remote() and rpc_async() return at once: the loop only queues work, and
             # y_rref makes shard 2 wait for shard 1's output of this very micro-batch
-            # (i only names the micro-batch in a trace)
-            y_rref = self.p1_rref.remote().forward(x_rref, i)
-            z_fut = self.p2_rref.rpc_async().forward(y_rref, i)
+            y_rref = self.p1_rref.remote().forward(x_rref)
+            z_fut = self.p2_rref.rpc_async().forward(y_rref)
             out_futures.append(z_fut)
         return torch.cat(torch.futures.wait_all(out_futures))
 
@@ -279,17 +214,8 @@ class DistResNet50(nn.Module):
                                 for r in (self.p1_rref, self.p2_rref)])
         return self
 
-    def take_spans(self) -> list[dict]:
-        """Both shards' recorded spans (``trace=True``), as dicts; the shards forget them."""
-        futures = [r.rpc_async().take_spans() for r in (self.p1_rref, self.p2_rref)]
-        return [span for fut in futures for span in fut.wait()]
-
     def parameter_rrefs(self) -> list[RRef]:
         remote_params = []
         remote_params.extend(self.p1_rref.remote().parameter_rrefs().to_here())
         remote_params.extend(self.p2_rref.remote().parameter_rrefs().to_here())
         return remote_params
-
-    def shard_states(self) -> list[dict[str, torch.Tensor]]:
-        """CPU copies of both shards' state dicts, fetched from their workers."""
-        return [rpc.rpc_sync(r.owner(), _state_copy, args=(r,)) for r in (self.p1_rref, self.p2_rref)]

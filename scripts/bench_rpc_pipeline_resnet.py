@@ -111,12 +111,15 @@ def gflop_per_image(size: int, num_classes: int) -> float:
 
 
 def bench_worker(configs: list[tuple[int, int]], worker: distkit.Worker, args: argparse.Namespace):
-    """Every rank: the example's ``run_worker``; the master's i-th run is configuration i."""
+    """Every rank: the example's ``run_worker``; the master's i-th run is configuration i
+    (its ``run_master``, measured by its ``Meter``, with configuration i's image size and
+    micro-batches)."""
     run_master = example.run_master
 
-    def run_config(i: int, args: argparse.Namespace) -> dict:
+    def run_config(i: int, args: argparse.Namespace, on_batch) -> list[float]:
         size, m = configs[i]
-        return run_master(m, argparse.Namespace(**{**vars(args), "image_size": size}))
+        return run_master(m, argparse.Namespace(**{**vars(args), "image_size": size}),
+                          on_batch=on_batch)
 
     example.run_master = run_config
     return example.run_worker(worker, args)

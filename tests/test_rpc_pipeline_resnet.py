@@ -7,6 +7,7 @@ copies of the shards built from the same initial weights.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 from pathlib import Path
@@ -23,11 +24,12 @@ from torch.distributed.rpc import RRef
 import distkit
 from conftest import refused_before_launch, run_cli, run_torchrun
 from distkit.timeline import read_chrome_trace
+import rpc_pipeline_resnet.main as example
 from rpc_pipeline_resnet.main import (WORKERS, build_parser, check_args, final_feature_size,
-                                      main, rpc_backend_options, run_master, run_worker,
-                                      write_trace)
-from rpc_pipeline_resnet.measure import report, state_digest
+                                      main, rpc_backend_options, run_worker)
+from rpc_pipeline_resnet.measure import Meter, print_report, report, state_digest
 from rpc_pipeline_resnet.model import DistResNet50, ResNetShard1, ResNetShard2
+from rpc_pipeline_resnet.trace import write_trace
 
 NUM_CLASSES, BATCH = 10, 7
 IMAGE = 48  # layer4 is 2x2: BatchNorm of a 2-image micro-batch sees 8 values, not 2
@@ -182,25 +184,35 @@ def test_eval_forward_matches_shards_in_one_process(job, k, one_thread):
     torch.testing.assert_close(job["eval"][k], expected, **TOL)
 
 
-def _run_master_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    """The example's run_worker on the shard hosts; on rank 0 its run_master, with states."""
-    if worker.rank != 0:
-        return run_worker(worker, args)
-    rpc.init_rpc("master", rank=0, world_size=worker.world_size,
-                 rpc_backend_options=rpc_backend_options(args))
-    result = run_master(TRAIN_SPLIT, args, states=True)
-    rpc.shutdown()
-    return result
+def _states_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
+    """The example's run_worker, as main() launches it (so its run_master, the tutorial's
+    loop); the Meter it hands run_master also copies the shards' weights before the first
+    batch and after the last (patched in this spawned process only)."""
+    example.Meter = functools.partial(Meter, states=True)
+    return run_worker(worker, args)
 
 
-def test_run_master_matches_single_process_training(one_thread):
+def printed_losses(output: str, num_split: int, n: int) -> list[float]:
+    """The n losses the user reads: the last column of the run's row in main()'s table
+    (splits, time, speed-up, bound, 2m/(m+1), busy, work, 2 x shard CPU, faults, losses)."""
+    header = output.index("loss of each batch")
+    rows = [line.split() for line in output[header:].splitlines()[1:]]
+    row = next(r for r in rows if r and r[0] == str(num_split))
+    return [float(x) for x in row[10:10 + n]]
+
+
+def test_run_master_matches_single_process_training(one_thread, capfd):
     """run_master (context, backward, DistributedOptimizer step) for a warm-up batch and a
-    timed one, against the same two SGD steps of the two shards in one process."""
+    timed one, against the same two SGD steps of the two shards in one process; both the
+    losses it returns and those the run prints."""
     args = make_args("--world_size", "3", "--threads", "1", "--batch_size", str(BATCH),
                      "--image_size", str(IMAGE), "--num_classes", str(NUM_CLASSES),
                      "--splits", str(TRAIN_SPLIT), "--warmup", "1", "--num_batches", "1",
                      "--lr", str(RUN_MASTER_LR), "--seed", "3")
-    out = distkit.launch(_run_master_worker, args)[0]
+    runs = distkit.launch(_states_worker, args)[0]
+    print_report(args, runs)  # what main() prints after the launch
+    printed = capfd.readouterr().out
+    out = runs[0]
     s1, s2 = local_shards(out["before"])
     opt = optim.SGD([*s1.parameters(), *s2.parameters()], lr=RUN_MASTER_LR)
     # the data as run_master draws it
@@ -216,6 +228,11 @@ def test_run_master_matches_single_process_training(one_thread):
         opt.step()
         losses.append(loss.item())
     torch.testing.assert_close(out["losses"], losses, **TOL)
+    for i in range(2):
+        assert f"[rank 0] Processing batch {i}" in printed, printed
+    assert f"number of splits = {TRAIN_SPLIT}, execution time = " in printed, printed
+    # printed with 4 decimals
+    assert printed_losses(printed, TRAIN_SPLIT, 2) == pytest.approx(losses, abs=2e-4), printed
     for shard, after, before in zip((s1, s2), out["after"], out["before"]):
         for name, value in shard.named_parameters():
             # two steps apart, the rounding that BatchNorm over 2-image micro-batches
@@ -304,7 +321,7 @@ def test_bad_input_cli_is_one_line_exit_2(argv, message):
     assert "[rank" not in proc.stdout  # nothing was spawned
 
 
-# --- seeds and traces: the example's own run_master, two split values, --trace ---------------
+# --- seeds and traces: the example's own run_worker, two split values, --trace ---------------
 TRACE_SPLITS, TRACE_BATCHES = (1, 3), 2
 
 
