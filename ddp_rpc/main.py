@@ -16,14 +16,14 @@ where there is a GPU per trainer):
     python ddp_rpc/main.py --epochs 20 --batch_size 32 --seed 1
 One rank per process under torchrun works too:
     torchrun --nproc_per_node 4 ddp_rpc/main.py
-Each trainer logs its loss per epoch; the master prints a summary at the end.
+Each trainer logs its loss per epoch; the master prints a summary at the end. What goes
+beyond the tutorial (loss records, the nan check, the summary, the master's bounded wait)
+is in ddp_rpc/report.py.
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import threading
-import time
 from datetime import timedelta
 
 import torch
@@ -34,7 +34,8 @@ from torch.distributed.rpc import TensorPipeRpcBackendOptions
 
 import distkit
 from ddp_rpc import trainer
-from ddp_rpc.trainer import EMBEDDING_DIM, NUM_EMBEDDINGS, TrainConfig, _embedding_weight, _run_trainer
+from ddp_rpc.report import MasterReport, print_summary, wait_for_trainers
+from ddp_rpc.trainer import EMBEDDING_DIM, NUM_EMBEDDINGS, TrainConfig, _run_trainer
 
 log = logging.getLogger(__name__)
 
@@ -91,44 +92,43 @@ def run_master(args: argparse.Namespace) -> dict:
     # RemoteModule to, only hold a reference to it.
     remote_emb_module = RemoteModule("ps", torch.nn.EmbeddingBag,
                                      args=(NUM_EMBEDDINGS, EMBEDDING_DIM), kwargs={"mode": "sum"})
-    table = remote_emb_module.get_module_rref()
-    emb_before = rpc.rpc_sync("ps", _embedding_weight, args=(table,))
+    report = MasterReport(remote_emb_module, config)  # beyond the tutorial: the table, the time
     log.info(f"Training on {trainers} trainers: {config}")
-    start = time.perf_counter()
+
     # Run the training loop on trainers. timeout=0: a whole training run may take longer
     # than --rpc_timeout; wait_for_trainers bounds the wait for a trainer that hangs instead.
-    names = [f"trainer{r}" for r in range(trainers)]
-    futs = [rpc.rpc_async(name, _run_trainer, args=(remote_emb_module, r, config), timeout=0)
-            for r, name in enumerate(names)]
-    # Wait for all training to finish.
-    reports = wait_for_trainers(futs, names, args.rpc_timeout)
-    seconds = time.perf_counter() - start
-    emb_after = rpc.rpc_sync("ps", _embedding_weight, args=(table,))
-    return {"trainers": reports, "emb_before": emb_before, "emb_after": emb_after,
-            "seconds": seconds, "config": config}
+    futs = []
+    for trainer_rank in range(trainers):
+        trainer_name = f"trainer{trainer_rank}"
+        fut = rpc.rpc_async(trainer_name, _run_trainer, args=(remote_emb_module, trainer_rank, config),
+                            timeout=0)
+        futs.append(fut)
+
+    # Wait for all training to finish (the tutorial's fut.wait() for each, but a trainer that
+    # fails or hangs ends the wait at once: report.wait_for_trainers)
+    reports = wait_for_trainers(futs, [f"trainer{r}" for r in range(trainers)], args.rpc_timeout)
+    return report.finish(reports)
 
 
-def wait_for_trainers(futs: list[torch.futures.Future], names: list[str],
-                      timeout: float) -> list:
-    """What every trainer's ``_run_trainer`` returned; raise as soon as one fails or hangs.
-
-    A trainer's error ends the wait at once (not once the trainers before it finish). A
-    trainer that stops answering (hung, not dead: the launcher cannot see it) would leave a
-    ``timeout=0`` RPC waiting forever, so each trainer still training must answer a no-op
-    RPC every second, which fails after ``timeout`` seconds.
-    """
-    changed = threading.Event()
-    for fut in futs:
-        fut.add_done_callback(lambda _: changed.set())
-    while not all(fut.done() for fut in futs):
-        changed.wait(timeout=1.0)
-        changed.clear()
-        for name, fut in zip(names, futs):
-            if fut.done():
-                fut.wait()  # raises that trainer's error, if it had one
-            else:
-                rpc.rpc_sync(name, time.monotonic, timeout=timeout)
-    return [fut.wait() for fut in futs]
+def trainer_device_and_store(worker: distkit.Worker, args: argparse.Namespace) -> tuple[str, dist.Store]:
+    """A trainer's device (set for ``_run_trainer``), its backend, and the store its DDP
+    process group meets on. (The tutorial: ``cuda(rank)``, gloo, ``tcp://localhost:29500``.)"""
+    trainers = num_trainers(worker.world_size)
+    where = placement(worker, args)
+    # trainers on several machines: all NCCL or all gloo, or one line saying who sees what
+    distkit.agree_on_backend("trainers", worker.rank, trainers, where)
+    if where.device.type == "cuda":
+        torch.cuda.set_device(where.device)
+    trainer.set_device(where.device)
+    # The trainers' process group rendezvouses under its own key prefix in the job's store,
+    # not on RPC's keys and not on a second hard-coded port.
+    store = distkit.job_store("trainers")
+    # The group's timeout (see run_worker) also bounds its rendezvous, and on a busy machine
+    # one trainer may start long after another: wait for all of them first, under the
+    # store's timeout.
+    store.set(f"started{worker.rank}", "1")
+    store.wait([f"started{r}" for r in range(trainers)])
+    return where.backend, store
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
@@ -136,42 +136,37 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     trainers = num_trainers(worker.world_size)
     master_rank, ps_rank = trainers, trainers + 1
     distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
-    options = TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
+    rpc_backend_options = TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
     # each process its own seed: the table is initialised on the parameter server, fc on
     # every trainer, and DDP must (and does) make all trainers start from rank 0's fc
     torch.manual_seed(args.seed * 1000 + worker.rank)
     result = None
+    # Ranks 0..N-3 are trainers, N-2 is the master and N-1 the parameter server (the
+    # tutorial's 0 and 1, 2, 3 with the default 4 processes).
     if worker.rank == master_rank:
         rpc.init_rpc("master", rank=worker.rank, world_size=worker.world_size,
-                     rpc_backend_options=options)
+                     rpc_backend_options=rpc_backend_options)
         result = run_master(args)
     elif worker.rank < trainers:
-        where = placement(worker, args)
-        # trainers on several machines: all NCCL or all gloo, or one line saying who sees what
-        distkit.agree_on_backend("trainers", worker.rank, trainers, where)
-        if where.device.type == "cuda":
-            torch.cuda.set_device(where.device)
-        trainer.set_device(where.device)
-        # The trainers' own process group for DDP (world size = number of trainers). It
-        # rendezvouses under its own key prefix in the job's store, not on RPC's keys and
-        # not on a second hard-coded port. Its timeout bounds DDP's allreduce: a trainer whose
-        # peer hangs fails after --rpc_timeout seconds, not after the default 30 minutes.
-        store = distkit.job_store("trainers")
-        # That timeout also bounds the group's rendezvous, and on a busy machine one trainer
-        # may start long after another: wait for all of them first, under the store's timeout.
-        store.set(f"started{worker.rank}", "1")
-        store.wait([f"started{r}" for r in range(trainers)])
-        dist.init_process_group(where.backend, store=store, rank=worker.rank,
-                                world_size=trainers, timeout=timedelta(seconds=args.rpc_timeout))
-        rpc.init_rpc(f"trainer{worker.rank}", rank=worker.rank, world_size=worker.world_size,
-                     rpc_backend_options=options)
-        # Trainer just waits for the _run_trainer RPC from the master.
+        backend, store = trainer_device_and_store(worker, args)
+        # Initialize process group for Distributed DataParallel on trainers (world size =
+        # number of trainers). Its timeout bounds DDP's allreduce: a trainer whose peer hangs
+        # fails after --rpc_timeout seconds, not after the default 30 minutes.
+        dist.init_process_group(backend, store=store, rank=worker.rank, world_size=trainers,
+                                timeout=timedelta(seconds=args.rpc_timeout))
+
+        # Initialize RPC.
+        trainer_name = f"trainer{worker.rank}"
+        rpc.init_rpc(trainer_name, rank=worker.rank, world_size=worker.world_size,
+                     rpc_backend_options=rpc_backend_options)
+
+        # Trainer just waits for RPCs from master.
     else:
         assert worker.rank == ps_rank
         rpc.init_rpc("ps", rank=worker.rank, world_size=worker.world_size,
-                     rpc_backend_options=options)
-        # the parameter server does nothing but answer RPCs
-    # block until all RPCs finish
+                     rpc_backend_options=rpc_backend_options)
+        # parameter server does nothing but answer RPCs
+    # block until all rpcs finish
     rpc.shutdown()
     return result
 
@@ -184,16 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = results.get(num_trainers(args.world_size))
     if summary is None:  # this machine or process did not run the master
         return 0
-    reports = summary["trainers"]
-    first = [sum(r.losses[0]) / len(r.losses[0]) for r in reports]
-    last = [sum(r.losses[-1]) / len(r.losses[-1]) for r in reports]
-    in_sync = all(torch.equal(reports[0].fc_after[k], r.fc_after[k])
-                  for r in reports for k in reports[0].fc_after)
-    print(f"Trained {args.epochs} epochs x {args.batches_per_epoch} batches on "
-          f"{len(reports)} trainers ({reports[0].device}) in {summary['seconds']:.1f} s")
-    for r, a, b in zip(reports, first, last):
-        print(f"  trainer{r.rank}: loss {a:.4f} (epoch 0) -> {b:.4f} (epoch {args.epochs - 1})")
-    print(f"  fc identical on all trainers: {in_sync}")
+    in_sync = print_summary(summary)  # the losses, and whether DDP kept fc identical
     return 0 if in_sync else 1
 
 

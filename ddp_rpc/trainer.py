@@ -9,13 +9,15 @@ Who owns what:
   - each trainer owns its replica of ``fc`` (an ``nn.Linear`` wrapped in DDP);
   - each trainer owns its own ``DistributedOptimizer``, whose local optimizers sit on the
     trainer (for ``fc``) and on the parameter server (for the embedding table).
+
+What goes beyond the tutorial (loss records, the nan check, fc before/after) attaches from
+``ddp_rpc/report.py``, through a forward hook on the loss function.
 """
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -25,7 +27,7 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import distkit
+from ddp_rpc.report import TrainerReport
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +55,6 @@ class TrainConfig:
     batch_size: int = 16
     lr: float = 0.05
     seed: int = 0
-
-
-@dataclass
-class TrainerReport:
-    """What a trainer sends back to the master: losses and its ``fc`` before/after (CPU)."""
-
-    rank: int
-    device: str
-    losses: list[list[float]] = field(default_factory=list)  # [epoch][batch]
-    fc_before: dict[str, torch.Tensor] = field(default_factory=dict)
-    fc_after: dict[str, torch.Tensor] = field(default_factory=dict)
-    seconds: float = 0.0
 
 
 class HybridModel(torch.nn.Module):
@@ -130,15 +120,6 @@ class _NoFunctionalWarning(logging.Filter):
 logging.getLogger("torch.distributed.optim.optimizer").addFilter(_NoFunctionalWarning())
 
 
-def distributed_sgd(parameter_rrefs: list[RRef], lr: float) -> DistributedOptimizer:
-    """The trainers' optimizer: SGD on every parameter, where it lives, steps never overlapping."""
-    return DistributedOptimizer(SerializedSGD, parameter_rrefs, lr=lr)
-
-
-def _fc_state(model: HybridModel) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in model.fc.module.state_dict().items()}
-
-
 def _run_trainer(remote_emb_module: RemoteModule, rank: int, config: TrainConfig) -> TrainerReport:
     """Train on trainer ``rank``; called by the master with ``rpc_async``.
 
@@ -147,46 +128,45 @@ def _run_trainer(remote_emb_module: RemoteModule, rank: int, config: TrainConfig
     gradients of the dense part (nn.Linear) across trainers and distributed autograd sends
     the embedding table's gradients to the parameter server.
     """
-    start = time.perf_counter()
+    # Setup the model.
     model = HybridModel(remote_emb_module, _device)
-    report = TrainerReport(rank, str(_device), fc_before=_fc_state(model))
 
-    # Retrieve all model parameters as RRefs for DistributedOptimizer: the embedding
-    # table's from the parameter server ...
+    # Retrieve all model parameters as RRefs for DistributedOptimizer.
+
+    # Retrieve parameters for embedding table (RRefs owned by the parameter server).
     model_parameter_rrefs = model.remote_emb_module.remote_parameters()
-    # ... and an RRef (owned by this trainer) for each local fc parameter. NOTE: not
-    # model.parameters(): it would recurse into remote_emb_module.parameters(), which
-    # RemoteModule does not support (only remote_parameters()).
+
+    # model.fc.parameters() only includes local parameters: an RRef (owned by this trainer)
+    # for each. NOTE: not model.parameters(): it would recurse into
+    # remote_emb_module.parameters(), which RemoteModule does not support (only
+    # remote_parameters()).
     for param in model.fc.parameters():
         model_parameter_rrefs.append(RRef(param))
 
-    # SGD is stateless, so this trainer's step on the parameter server simply adds
-    # -lr * (this trainer's gradient) to the table; the other trainer's step adds its own
-    # (one after the other: see SerializedSGD).
-    opt = distributed_sgd(model_parameter_rrefs, config.lr)
+    # Setup distributed optimizer. SerializedSGD, not the tutorial's optim.SGD: the same SGD,
+    # but every trainer steps the one table on the parameter server, and with optim.SGD those
+    # concurrent steps run unlocked and can lose an update (see SerializedSGD). SGD is
+    # stateless, so each trainer's step there adds -lr * (its own gradient) to the table.
+    opt = DistributedOptimizer(SerializedSGD, model_parameter_rrefs, lr=config.lr)
     criterion = torch.nn.CrossEntropyLoss()
+    # beyond the tutorial: a hook on criterion records every loss (and stops on nan), and
+    # fc before/after training is kept for the master (report.py)
+    report = TrainerReport.watch(rank, model, criterion, config.batches_per_epoch)
 
     for epoch in range(config.epochs):
-        epoch_losses = []
         for indices, offsets, target in get_next_batch(rank, config):
-            # every iteration has its own distributed autograd context: gradients live in
-            # the context, not in .grad, so there is nothing to zero between iterations
+            # create distributed autograd context
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
                 loss = criterion(output, target.to(_device))
+
                 # Run distributed backward pass (DDP's allreduce of fc's gradients included)
                 dist_autograd.backward(context_id, [loss])
+
                 # Run distributed optimizer: fc here, the embedding table on the server
                 opt.step(context_id)
-            epoch_losses.append(distkit.check_finite(loss.item(), f"trainer{rank}, epoch {epoch}"))
-        report.losses.append(epoch_losses)
-        log.info(f"Training done for epoch {epoch}: loss {sum(epoch_losses) / len(epoch_losses):.4f}")
-    report.fc_after = _fc_state(model)
-    report.seconds = time.perf_counter() - start
-    return report
 
-
-def _embedding_weight(module_rref: RRef) -> torch.Tensor:
-    """Runs on the parameter server (the owner of ``module_rref``): a copy of the table."""
-    return module_rref.local_value().weight.detach().cpu().clone()
-
+                # Not necessary to zero grads as each iteration creates a different
+                # distributed autograd context which hosts different grads
+        log.info(f"Training done for epoch {epoch}: loss {report.epoch_loss(epoch):.4f}")
+    return report.finish(model)

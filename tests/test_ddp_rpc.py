@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import re
 import threading
 import time
 
@@ -13,15 +14,17 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch.distributed.nn import RemoteModule
+from torch.distributed.optim import DistributedOptimizer
 
 import distkit
 from conftest import run_cli, run_torchrun
 from ddp_rpc.main import build_parser, check_args, main, run_worker
 from ddp_rpc import trainer
-from ddp_rpc.trainer import _embedding_weight
+from ddp_rpc.report import _embedding_weight
 from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch
 
 MASTER = 2  # ranks 0 and 1 train, 2 is the master, 3 the parameter server
+NUMBER = r"[-+]?\d+\.\d+"
 
 
 def make_args(*argv: str) -> argparse.Namespace:
@@ -70,11 +73,27 @@ def _reference_step(emb_before, fc_before, batches, lr):
     return losses, grad_fc, emb_after, fc_after
 
 
+def _printed(pattern: str, output: str) -> list[float]:
+    """Every number the groups of ``pattern`` catch in ``output``, in order."""
+    return [float(x) for m in re.finditer(pattern, output) for x in m.groups()]
+
+
 @pytest.mark.fast  # also on the oldest supported torch (.ci/run)
-def test_one_iteration_matches_single_process_maths():
-    args = make_args("--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "6",
-                     "--seed", "3", "--lr", "0.5")
-    out = distkit.launch(run_worker, args)[MASTER]
+def test_one_iteration_matches_single_process_maths(monkeypatch, capfd):
+    # the user's command (python ddp_rpc/main.py ARGS), in this process: main's own launch,
+    # kept aside for the numbers underneath, and what the run printed
+    launches = []
+
+    def launch_and_keep(fn, args):
+        launches.append(real_launch(fn, args))
+        return launches[-1]
+
+    real_launch = distkit.launch
+    monkeypatch.setattr(distkit, "launch", launch_and_keep)
+    assert main(["--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "6",
+                 "--seed", "3", "--lr", "0.5"]) == 0
+    printed = capfd.readouterr().out
+    out = launches[0][MASTER]
     config, reports = out["config"], out["trainers"]
     assert [r.rank for r in reports] == [0, 1] and config.lr == 0.5
     # DDP broadcast rank 0's fc at construction (each trainer seeded its own differently)
@@ -89,9 +108,16 @@ def test_one_iteration_matches_single_process_maths():
 
     for r, loss in zip(reports, losses):
         torch.testing.assert_close(r.losses, [[loss]])
+        # the loss the user reads: each trainer's log line and the master's summary (4 decimals)
+        logged = _printed(rf"\[rank {r.rank}\] Training done for epoch 0: loss ({NUMBER})", printed)
+        assert logged == [pytest.approx(loss, abs=6e-5)], printed
+        summary = _printed(rf"trainer{r.rank}: loss ({NUMBER}) \(epoch 0\) -> ({NUMBER}) \(epoch 0\)",
+                           printed)
+        assert summary == [pytest.approx(loss, abs=6e-5)] * 2, printed
         for name, p in fc_after.items():
             torch.testing.assert_close(r.fc_after[name], p, msg=lambda m: f"trainer{r.rank} fc.{name}: {m}")
     torch.testing.assert_close(out["emb_after"], emb_after)
+    assert "fc identical on all trainers: True" in printed
 
 
 def test_training_keeps_trainers_in_sync_and_lowers_loss():
@@ -217,7 +243,7 @@ def _many_trainers_worker(worker: distkit.Worker, args: argparse.Namespace) -> d
     indices, offsets = torch.arange(ROWS), torch.tensor([0])
 
     def trainer_thread() -> None:
-        opt = trainer.distributed_sgd(table.remote_parameters(), lr=1.0)
+        opt = DistributedOptimizer(trainer.SerializedSGD, table.remote_parameters(), lr=1.0)
         for _ in range(STEPS):
             with dist_autograd.context() as context_id:
                 dist_autograd.backward(context_id, [table.forward(indices, offsets).sum()])
@@ -232,6 +258,14 @@ def _many_trainers_worker(worker: distkit.Worker, args: argparse.Namespace) -> d
     most = rpc.rpc_sync("ps", _most_updates_at_once)
     rpc.shutdown()
     return {"after": after, "most_at_once": most}
+
+
+def test_run_trainer_builds_the_optimizer_tested_below():
+    # the test below checks SerializedSGD: _run_trainer must build its DistributedOptimizer
+    # from that class, not from optim.SGD (whose steps on the table are not serialised)
+    names = trainer._run_trainer.__code__.co_names
+    assert "DistributedOptimizer" in names and "SerializedSGD" in names, names
+    assert "SGD" not in names, names
 
 
 def test_concurrent_optimizer_steps_on_the_table_lose_no_update():

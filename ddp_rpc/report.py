@@ -1,0 +1,126 @@
+"""Beyond the tutorial: what the trainers and the master report, and how the master waits.
+
+None of this is in the tutorial; it attaches to its functions from outside:
+  - ``TrainerReport.watch`` hooks the trainer's loss function (a module forward hook) to
+    record every batch's loss and stop on a non-finite one, and keeps ``fc`` before/after;
+  - ``MasterReport`` keeps the embedding table as created and after training, and the time;
+  - ``wait_for_trainers`` is the master's "wait for all training to finish", failing fast;
+  - ``print_summary`` is what ``main`` prints at the end.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.distributed.nn import RemoteModule
+from torch.distributed.rpc import RRef
+
+import distkit
+
+if TYPE_CHECKING:
+    from ddp_rpc.trainer import HybridModel, TrainConfig
+
+
+def _fc_state(model: HybridModel) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.fc.module.state_dict().items()}
+
+
+@dataclass
+class TrainerReport:
+    """What a trainer sends back to the master: losses and its ``fc`` before/after (CPU)."""
+
+    rank: int
+    device: str
+    losses: list[list[float]] = field(default_factory=list)  # [epoch][batch]
+    fc_before: dict[str, torch.Tensor] = field(default_factory=dict)
+    fc_after: dict[str, torch.Tensor] = field(default_factory=dict)
+    seconds: float = 0.0  # from watch() to finish()
+    _started: float = field(default=0.0, repr=False)
+
+    @classmethod
+    def watch(cls, rank: int, model: HybridModel, criterion: torch.nn.Module,
+              batches_per_epoch: int) -> TrainerReport:
+        """Start reporting on trainer ``rank``: ``fc`` now, and every loss ``criterion`` returns."""
+        report = cls(rank, str(model.device), fc_before=_fc_state(model), _started=time.perf_counter())
+
+        def record_loss(module: torch.nn.Module, inputs: tuple, loss: torch.Tensor) -> None:
+            if not report.losses or len(report.losses[-1]) == batches_per_epoch:
+                report.losses.append([])
+            epoch = len(report.losses) - 1
+            # a nan loss would poison every parameter at the step: stop before it
+            report.losses[-1].append(distkit.check_finite(loss.item(), f"trainer{rank}, epoch {epoch}"))
+
+        criterion.register_forward_hook(record_loss)
+        return report
+
+    def epoch_loss(self, epoch: int) -> float:
+        """The mean loss of ``epoch``'s batches (what the trainer logs)."""
+        return sum(self.losses[epoch]) / len(self.losses[epoch])
+
+    def finish(self, model: HybridModel) -> TrainerReport:
+        """The report to send: ``fc`` as training left it, and the time it took."""
+        self.fc_after = _fc_state(model)
+        self.seconds = time.perf_counter() - self._started
+        return self
+
+
+def _embedding_weight(module_rref: RRef) -> torch.Tensor:
+    """Runs on the parameter server (the owner of ``module_rref``): a copy of the table."""
+    return module_rref.local_value().weight.detach().cpu().clone()
+
+
+class MasterReport:
+    """The master's view of a run: the table before and after training, the time, the reports."""
+
+    def __init__(self, remote_emb_module: RemoteModule, config: TrainConfig) -> None:
+        self.table = remote_emb_module.get_module_rref()
+        self.config = config
+        self.emb_before = rpc.rpc_sync(self.table.owner(), _embedding_weight, args=(self.table,))
+        self.start = time.perf_counter()
+
+    def finish(self, reports: list[TrainerReport]) -> dict:
+        seconds = time.perf_counter() - self.start
+        emb_after = rpc.rpc_sync(self.table.owner(), _embedding_weight, args=(self.table,))
+        return {"trainers": reports, "emb_before": self.emb_before, "emb_after": emb_after,
+                "seconds": seconds, "config": self.config}
+
+
+def wait_for_trainers(futs: list[torch.futures.Future], names: list[str],
+                      timeout: float) -> list:
+    """What every trainer's ``_run_trainer`` returned; raise as soon as one fails or hangs.
+
+    A trainer's error ends the wait at once (not once the trainers before it finish). A
+    trainer that stops answering (hung, not dead: the launcher cannot see it) would leave a
+    ``timeout=0`` RPC waiting forever, so each trainer still training must answer a no-op
+    RPC every second, which fails after ``timeout`` seconds.
+    """
+    changed = threading.Event()
+    for fut in futs:
+        fut.add_done_callback(lambda _: changed.set())
+    while not all(fut.done() for fut in futs):
+        changed.wait(timeout=1.0)
+        changed.clear()
+        for name, fut in zip(names, futs):
+            if fut.done():
+                fut.wait()  # raises that trainer's error, if it had one
+            else:
+                rpc.rpc_sync(name, time.monotonic, timeout=timeout)
+    return [fut.wait() for fut in futs]
+
+
+def print_summary(summary: dict) -> bool:
+    """Print the master's summary of a run; whether DDP kept ``fc`` identical on all trainers."""
+    config, reports = summary["config"], summary["trainers"]
+    in_sync = all(torch.equal(reports[0].fc_after[k], r.fc_after[k])
+                  for r in reports for k in reports[0].fc_after)
+    print(f"Trained {config.epochs} epochs x {config.batches_per_epoch} batches on "
+          f"{len(reports)} trainers ({reports[0].device}) in {summary['seconds']:.1f} s")
+    for r in reports:
+        print(f"  trainer{r.rank}: loss {r.epoch_loss(0):.4f} (epoch 0) -> "
+              f"{r.epoch_loss(-1):.4f} (epoch {config.epochs - 1})")
+    print(f"  fc identical on all trainers: {in_sync}")
+    return in_sync
