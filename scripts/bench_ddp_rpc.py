@@ -1,7 +1,7 @@
 """Benchmark ddp_rpc: iterations per second and the share of each iteration spent communicating.
 
     python scripts/bench_ddp_rpc.py --quick                        # about a minute on 2 cores
-    python scripts/bench_ddp_rpc.py --plot results/ddp_rpc.png     # 1 and 2 trainers, 3 batch sizes
+    python scripts/bench_ddp_rpc.py --plot docs/results/ddp_rpc.png   # 1 and 2 trainers, 3 batch sizes
 
 For each number of trainers and batch size it runs the example itself (``ddp_rpc.main.run_worker``,
 unchanged: the table on the parameter server behind a ``RemoteModule``, ``fc`` in DDP on the
