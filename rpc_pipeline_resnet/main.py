@@ -125,6 +125,7 @@ def shard_devices(args: argparse.Namespace) -> list[torch.device]:
 
 
 def no_extras(model: DistResNet50, i: int) -> contextlib.AbstractContextManager:
+    """``run_master``'s default ``on_batch``: the tutorial's loop and nothing else."""
     return contextlib.nullcontext()
 
 
@@ -161,7 +162,7 @@ def run_master(num_split: int, args: argparse.Namespace,
         # is no zero_grad because each batch gets a fresh context (and fresh gradients)
         with on_batch(model, i), dist_autograd.context() as context_id:
             outputs = model(inputs)
-            loss = loss_fn(outputs, labels)  # kept: the run reports it
+            loss = loss_fn(outputs, labels)  # its own line: the run reports the loss
             dist_autograd.backward(context_id, [loss])
             opt.step(context_id)
         losses.append(distkit.check_finite(loss.item(), f"batch {i} with {num_split} splits"))

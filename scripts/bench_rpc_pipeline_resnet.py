@@ -112,12 +112,14 @@ def gflop_per_image(size: int, num_classes: int) -> float:
 
 def bench_worker(configs: list[tuple[int, int]], worker: distkit.Worker, args: argparse.Namespace):
     """Every rank: the example's ``run_worker``; the master's i-th run is configuration i
-    (its ``run_master``, measured by its ``Meter``, with configuration i's image size and
-    micro-batches)."""
+    (its ``run_master``, measured by its ``Meter``, with configuration i's image size;
+    ``--splits`` already lists the configurations' micro-batch counts in order)."""
     run_master = example.run_master
+    runs = iter(configs)
 
-    def run_config(i: int, args: argparse.Namespace, on_batch) -> list[float]:
-        size, m = configs[i]
+    def run_config(num_split: int, args: argparse.Namespace, on_batch) -> list[float]:
+        size, m = next(runs)
+        assert m == num_split, (m, num_split)
         return run_master(m, argparse.Namespace(**{**vars(args), "image_size": size}),
                           on_batch=on_batch)
 
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             [*base, "--image_size", str(size), "--splits", str(m)]))
     ex_args = example.build_parser().parse_args([*base, "--splits", "1"])
     example.check_args(parser, ex_args)
-    ex_args.splits = list(range(len(configs)))  # run i of the job is configs[i]
+    ex_args.splits = [m for _, m in configs]  # run i of the job is configs[i]
 
     steady_malloc()  # the references too keep their memory: see rpc_pipeline_resnet/measure.py
     n_cores = len(cores())
