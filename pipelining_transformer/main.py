@@ -1,85 +1,271 @@
 """Pipeline-parallel training of a GPT-style transformer with torch.distributed.pipelining.
 
-Mirrors "Introduction to Distributed Pipeline Parallelism". The model's layers are divided
-among pipeline stages, one stage per rank (GPipe, 1F1B) or two (Interleaved1F1B, LoopedBFS,
-InterleavedZeroBubble, ZBVZeroBubble, DualPipeV: whatever this PyTorch offers). Roles:
-  the rank holding stage 0      reads the tokens of each batch and embeds them
-  the rank holding the last     reads the targets, computes the loss, prints it each step
-                                (and appends it, full precision, to --loss_log as JSON lines)
-  every rank                    runs its stages' forwards/backwards in the schedule's order
-                                and steps one optimizer per stage
+The tutorial "Introduction to Distributed Pipeline Parallelism", top to bottom:
+``init_distributed``, the model cut into stages (``manual_model_split`` or
+``tracer_model_split``), ``ScheduleGPipe(stage, n_microbatches=..., loss_fn=tokenwise_loss_fn)``
+and the rank-dependent ``schedule.step`` (in ``PipelineRank.forward_backward``), trained for
+--steps steps. The model is in model.py. Roles:
+  the rank holding stage 0      feeds the tokens: ``schedule.step(x)``
+  the rank holding the last     feeds the targets, gets each micro-batch's loss and prints
+                                the batch's: ``schedule.step(target=y, losses=losses)``
+  any rank in between           relays activations and gradients: ``schedule.step()``
+  every rank                    steps one optimizer per stage
 
 Run on one machine (spawns the processes, CPU + gloo unless a GPU per process is visible):
     python pipelining_transformer/main.py --world_size 2
     python pipelining_transformer/main.py --world_size 4 --schedule Interleaved1F1B --split tracer
 One rank per process under torchrun, as the tutorial launches it:
     torchrun --nproc_per_node 2 pipelining_transformer/main.py
-    torchrun --nproc_per_node 2 pipelining_transformer/main.py --schedule ZBVZeroBubble
-See each rank's forwards, backwards and waits (DIR/timeline.png; DIR/trace.json for Perfetto):
-    python pipelining_transformer/main.py --schedule 1F1B --n_microbatches 8 --trace trace_1f1b
 The model is the tutorial's (dim 512, 8 layers, 8 heads, vocabulary 10000); the batch is
-CPU-sized (8 x 16 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell
-(judged on a run from step 0, not on a resumed one).
-The last stage also computes the 10000-word output projection and the loss: give it fewer
-layers to balance the stages (--stage_layers 5 3).
+CPU-sized (8 x 16 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell.
 
-Checkpoint every 5 steps; after a crash, go on from the newest complete checkpoint (with
-any number of stages: checkpoints hold the full model's names, not the split; but the same
-data flags, --seed --batch_size --seq_len --vocab_size, or the resume is refused):
-    python pipelining_transformer/main.py --steps 20 --checkpoint_dir ckpt --checkpoint_every 5
-    python pipelining_transformer/main.py --steps 20 --checkpoint_dir ckpt --resume
-    python pipelining_transformer/main.py --steps 20 --world_size 4 --resume ckpt/step_10
-A resume in the same layout restores every rank's random state (dropout masks) too. Restarted
-by torchrun, without a person, when a worker dies:
-    torchrun --standalone --nproc_per_node 2 --max-restarts 3 pipelining_transformer/main.py \
-        --steps 20 --checkpoint_dir ckpt --checkpoint_every 5 --resume
-
-Pipeline x data parallelism: --dp_size D runs D pipeline replicas of world_size / D ranks
-each, on a ("dp", "pp") device mesh (rank = dp_rank * pp_size + pp_rank); replica k trains on
-the k-th contiguous slice of every batch, and each stage's gradients are averaged over the
-D ranks holding it (FSDP2). The first replica's last-stage rank prints the batch's loss:
-    python pipelining_transformer/main.py --world_size 4 --dp_size 2 --batch_size 16
+Beyond the tutorial, each behind its flag and outside the tutorial's functions (extras.py,
+dp.py, checkpoint.py, timeline.py; docs/pipelining_transformer.md): --loss_log, --trace DIR,
+--checkpoint_dir/--checkpoint_every/--resume (and torchrun --max-restarts), --dp_size D
+(FSDP2 over a ("dp", "pp") mesh), --stage_layers, every schedule PyTorch offers.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
+import copy
 import logging
 import os
-import resource
-import sys
-import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
 
 import distkit
-from pipelining_transformer import checkpoint
-from pipelining_transformer.model import ModelArgs, Transformer
-from pipelining_transformer.parallel import (
-    SCHEDULES,
-    DistEnv,
-    PipelineRank,
-    init_distributed,
-    layer_ranges,
-    num_stages_for,
-    schedule_problem,
-    synthetic_batch,
-)
-from pipelining_transformer.timeline import PipelineTracer
+from pipelining_transformer import dp, extras, workarounds
+from pipelining_transformer.cli import add_extra_args, check_args, model_args_from, schedule_name
+from pipelining_transformer.cli import placement  # noqa: F401  (where each rank runs: distkit's contract)
+from pipelining_transformer.model import (ModelArgs, Transformer, make_optimizer, synthetic_batch,
+                                          tokenwise_loss_fn)
+from pipelining_transformer.schedules import (SCHEDULES, is_multi_stage, layer_ranges,
+                                              num_stages_for, stage_indices_for)
 
 log = logging.getLogger(__name__)
 
 
-def schedule_name(text: str) -> str:
-    """Accept a schedule's short name in any case ("gpipe", "ScheduleGPipe")."""
-    by_lower = {name.lower(): name for name in SCHEDULES}
-    name = by_lower.get(text.lower().removeprefix("schedule"))
-    if name is None:
-        raise argparse.ArgumentTypeError(
-            f"unknown schedule {text!r} (this PyTorch offers {', '.join(SCHEDULES)})")
-    return name
+@dataclass
+class DistEnv:
+    """The tutorial's globals (rank, device, pp_group) as one value, and this rank's place on
+    the ("dp", "pp") mesh: replica ``dp_rank`` of ``dp_size`` (1 unless --dp_size)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    pp_group: dist.ProcessGroup  # the ranks of this pipeline: the stages' send/recv
+    mesh: DeviceMesh | None = None
+    dp_size: int = 1
+
+    @property
+    def pp_size(self) -> int:
+        return self.world_size // self.dp_size
+
+    @property
+    def pp_rank(self) -> int:  # the tutorial's stage_index, with one stage per rank
+        return self.rank % self.pp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.pp_size
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same stages as this one, in the other replicas."""
+        return self.mesh["dp"].get_group() if self.mesh is not None else None
+
+
+def init_distributed(device_preference: str = "auto", dp_size: int = 1) -> DistEnv:
+    """Join the process group torchrun (or distkit) describes; ``pp_group`` for send/recv."""
+    rank = int(os.environ["RANK"])  # the tutorial used LOCAL_RANK: wrong beyond one machine
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % dp_size:
+        raise ValueError(f"world size {world_size} is not divisible by dp_size {dp_size}")
+    # a GPU per process on this machine, or the CPU for all (never cuda:<rank> by fiat,
+    # never two ranks on one GPU); the same backend on every machine, or a one-line error
+    where = distkit.group_placement(device_preference, local_rank, local_world_size)
+    distkit.agree_on_backend("pp", rank, world_size, where)
+    device = where.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # under torchrun, a store of this restart's own: a restarted group would otherwise meet
+    # the addresses its killed predecessor left in torchrun's store (see distkit)
+    dist.init_process_group(backend=where.backend, store=distkit.process_group_store(),
+                            rank=rank, world_size=world_size)
+    # "This group can be a sub-group in the N-D parallel case": it is, on a (dp, pp) mesh,
+    # row-major (rank = dp_rank * pp_size + pp_rank), so each pipeline is a block of
+    # consecutive ranks and each "dp" group takes one rank from every pipeline (dp.py)
+    mesh = init_device_mesh(device.type, (dp_size, world_size // dp_size),
+                            mesh_dim_names=("dp", "pp"))
+    return DistEnv(rank, world_size, device, mesh["pp"].get_group(), mesh, dp_size)
+
+
+def manual_model_split(model: Transformer, stage_index: int, num_stages: int, layers: range,
+                       device: torch.device, pp_group: dist.ProcessGroup | None = None
+                       ) -> PipelineStage:
+    """Option 1: stage ``stage_index`` is ``model`` itself, without the parts other stages own."""
+    for i in list(model.layers):
+        if int(i) not in layers:
+            del model.layers[i]
+    if stage_index != 0:
+        model.tok_embeddings = None
+    if stage_index != num_stages - 1:
+        model.norm = None
+        model.output = None
+    model.to(device)
+    stage = PipelineStage(
+        model,
+        stage_index,
+        num_stages,
+        device,
+        group=pp_group,
+    )
+    return stage
+
+
+def tracer_model_split(model: Transformer, example_input_microbatch: torch.Tensor,
+                       split_layers: list[int], stage_indices: list[int], device: torch.device,
+                       pp_group: dist.ProcessGroup | None = None) -> list[PipelineStage]:
+    """Option 2: trace ``model``, cut it before each layer in ``split_layers``, build this
+    rank's stages (one, or two for a multi-stage schedule)."""
+    pipe = pipeline(
+        module=model,
+        mb_args=(example_input_microbatch,),
+        split_spec={f"layers.{k}": SplitPoint.BEGINNING for k in split_layers},
+    )
+    stages = [pipe.build_stage(i, device, pp_group) for i in stage_indices]
+    return stages
+
+
+def build_schedule(stages: list[PipelineStage], name: str, n_microbatches: int):
+    """The tutorial's ``ScheduleGPipe``, or the --schedule the user named, built the same way."""
+    if name == "GPipe":
+        return ScheduleGPipe(stages[0], n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
+    schedule_class = SCHEDULES[name]  # schedules.py: 1F1B, Interleaved1F1B, ZBVZeroBubble, ...
+    # a multi-stage schedule drives all of this rank's stages, the others its one stage
+    return schedule_class(stages if is_multi_stage(name) else stages[0],
+                          n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
+
+
+class PipelineRank:
+    """What one rank runs: its stages, the schedule that drives them, an optimizer per stage."""
+
+    def __init__(self, stages: list[PipelineStage], schedule, optimizers: list[torch.optim.Optimizer],
+                 env: DistEnv) -> None:
+        self.stages, self.schedule, self.optimizers = stages, schedule, optimizers
+        self.num_stages = stages[0].num_stages
+        self.device = env.device
+        self.dp_rank, self.dp_size, self.dp_group = env.dp_rank, env.dp_size, env.dp_group
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self.reports = self.has_last and self.dp_rank == 0  # one rank prints the batch's loss
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
+        """The tutorial's step, by role; the micro-batch losses where the last stage is."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)  # the schedule adds each micro-batch's gradient
+        x, y = x.to(self.device), y.to(self.device)
+        losses: list[torch.Tensor] = []
+        if self.has_first and self.has_last:
+            # ZBVZeroBubble, DualPipeV: a "V" puts the first and the last stage on one rank
+            self.schedule.step(x, target=y, losses=losses)
+        elif self.has_first:
+            self.schedule.step(x)
+        elif self.has_last:
+            self.schedule.step(target=y, losses=losses)
+        else:
+            self.schedule.step()
+        return losses if self.has_last else None
+
+    def optimizer_step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def batch_loss(self, losses: list[torch.Tensor]) -> float:
+        """The batch's mean loss: equal micro-batches make it the mean of their means (and,
+        with --dp_size, of the replicas' means: a collective of the last-stage ranks)."""
+        loss = torch.stack(losses).detach().mean()
+        return dp.mean_over_replicas(loss, self.dp_size, self.dp_group).item()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the full model's names ("layers.3.linear1.weight")."""
+        for stage in self.stages:
+            yield from stage.submod.named_parameters()
+
+
+def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
+    """This rank's stages, cut from the same seeded full model that every rank builds."""
+    model_args = model_args_from(args)
+    torch.manual_seed(args.seed)
+    model = Transformer(model_args)
+    if env.dp_rank:
+        # the replicas' own dropout masks (replica 0 keeps those of a run without --dp_size)
+        torch.manual_seed(args.seed + 1_000_003 * env.dp_rank)
+    num_stages = num_stages_for(args.schedule, env.pp_size)
+    stage_indices = stage_indices_for(args.schedule, env.pp_rank, env.pp_size)
+    layers = layer_ranges(model_args.n_layers, num_stages, args.stage_layers)
+    if args.split == "manual":  # Option 1: manual model splitting
+        # every stage but the last cuts its own copy; the last cuts the model itself
+        models = [copy.deepcopy(model) for _ in stage_indices[1:]] + [model]
+        stages = [manual_model_split(m, i, num_stages, layers[i], env.device, env.pp_group)
+                  for m, i in zip(models, stage_indices)]
+    else:  # Option 2: tracer model splitting
+        rows = args.batch_size // (env.dp_size * args.n_microbatches)
+        example_input_microbatch = torch.zeros(rows, args.seq_len, dtype=torch.long)
+        stages = tracer_model_split(model, example_input_microbatch, [r.start for r in layers[1:]],
+                                    stage_indices, env.device, env.pp_group)
+    for stage in stages:
+        workarounds.apply(stage)  # torch's pipelining on gloo (workarounds.py)
+        if env.dp_size > 1:
+            dp.shard_over_dp(stage, env.mesh["dp"])  # before the optimizers are built
+    schedule = build_schedule(stages, args.schedule, args.n_microbatches)
+    optimizers = [make_optimizer(args.optimizer, s.submod.parameters(), args.lr) for s in stages]
+    return PipelineRank(stages, schedule, optimizers, env)
+
+
+def train(args: argparse.Namespace, env: DistEnv, callbacks_for=extras.callbacks_for) -> dict:
+    """The training loop: the tutorial's step, --steps times, with the extras' callbacks."""
+    pp = build_rank(args, env)
+    replica = f", replica {env.dp_rank} of {env.dp_size}" if env.dp_size > 1 else ""
+    log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
+             f"({args.schedule}, {args.split} split{replica}) on {pp.device}")
+    first = extras.resume(args, pp)  # 0 unless --resume finds a checkpoint
+    summary = extras.Summary(args, first)
+    callbacks = [summary, *callbacks_for(args, pp)]
+    for step in range(first, args.steps):
+        x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
+        # --dp_size: this replica's rows of the batch (all of it otherwise)
+        x, y = (dp.replica_rows(t, env.dp_rank, env.dp_size) for t in (x, y))
+        for callback in callbacks:
+            callback.on_step_begin(step)
+        losses = pp.forward_backward(x, y)
+        pp.optimizer_step()
+        loss = None
+        if losses is not None:
+            loss = distkit.check_finite(pp.batch_loss(losses), f"step {step + 1}")
+        if pp.reports:
+            log.info(f"step {step + 1}/{args.steps}  loss {loss:.4f}")
+        for callback in callbacks:
+            callback.on_step_end(step, loss if pp.reports else None)
+    for callback in callbacks:
+        callback.on_train_end()
+    return summary.result()
+
+
+def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """Every rank: join the group, train its stages, leave."""
+    env = init_distributed(args.device, args.dp_size)
+    result = train(args, env)
+    dist.destroy_process_group()
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,9 +274,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"pipeline schedule, one of: {', '.join(SCHEDULES)}")
     parser.add_argument("--split", choices=("manual", "tracer"), default="manual",
                         help="cut the model by deleting parts (manual) or by tracing it (tracer)")
-    parser.add_argument("--stage_layers", type=int, nargs="+", default=None, metavar="N",
-                        help="layers of each stage, in stage order (default: as even as can be); "
-                             "the last stage also computes the output projection and the loss")
     parser.add_argument("--n_microbatches", type=int, default=4, metavar="M",
                         help="micro-batches each batch is cut into")
     parser.add_argument("--batch_size", type=int, default=8, metavar="B",
@@ -101,25 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one per stage; sgd (momentum 0.9) makes a step a linear function "
                              "of the gradient, for bit-for-bit comparisons")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
-    parser.add_argument("--dp_size", type=int, default=1, metavar="D",
-                        help="pipeline replicas (data parallelism): world_size / D ranks each, "
-                             "every replica trains on 1/D of each batch")
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
-    parser.add_argument("--loss_log", default=None, metavar="PATH",
-                        help='append {"step": N, "loss": L} per step to PATH, one JSON line each, '
-                             "the loss at full precision (a resumed run continues the file)")
-    parser.add_argument("--trace", default=None, metavar="DIR",
-                        help="record every forward/backward/weight-gradient and P2P wait per rank: "
-                             "DIR/rank<r>.json, merged DIR/trace.json (Perfetto), DIR/timeline.png "
-                             "(last step, measured beside PyTorch's plan)")
-    ckpt = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
-    ckpt.add_argument("--checkpoint_dir", default=None, metavar="DIR",
-                      help="save into DIR/step_<N>/ every --checkpoint_every steps and at the end")
-    ckpt.add_argument("--checkpoint_every", type=int, default=0, metavar="K",
-                      help="steps between checkpoints (0: only at the end)")
-    ckpt.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                      help="go on from checkpoint PATH, or (no PATH) from the newest complete "
-                           "one in --checkpoint_dir; a fresh start if there is none")
     model = parser.add_argument_group("model (defaults: the tutorial's ModelArgs)")
     defaults = ModelArgs()
     model.add_argument("--dim", type=int, default=defaults.dim)
@@ -127,166 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--n_heads", type=int, default=defaults.n_heads)
     model.add_argument("--vocab_size", type=int, default=defaults.vocab_size)
     model.add_argument("--dropout", type=float, default=defaults.dropout)
+    add_extra_args(parser)  # --stage_layers, --dp_size, --loss_log, --trace, checkpoints
     distkit.add_launch_args(parser, world_size=2)
     return parser
-
-
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    distkit.check_launch_args(parser, args, min_world_size=1)
-    for flag in ("n_microbatches", "batch_size", "seq_len", "steps", "dim", "n_layers",
-                 "n_heads", "vocab_size"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.dp_size < 1:
-        parser.error(f"--dp_size must be at least 1, got {args.dp_size}")
-    if args.world_size % args.dp_size:
-        parser.error(f"--world_size {args.world_size} is not divisible by --dp_size {args.dp_size}")
-    if args.batch_size % (args.dp_size * args.n_microbatches):  # each replica: equal micro-batches
-        dp = f"--dp_size {args.dp_size} x " if args.dp_size > 1 else ""
-        parser.error(f"--batch_size {args.batch_size} is not divisible by "
-                     f"{dp}--n_microbatches {args.n_microbatches}")
-    if args.dim % args.n_heads:
-        parser.error(f"--dim {args.dim} is not divisible by --n_heads {args.n_heads}")
-    if not 0 <= args.dropout < 1:  # also false for nan
-        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    distkit.require_positive(parser, "--lr", args.lr)
-    if args.loss_log is not None:
-        folder = os.path.dirname(args.loss_log) or "."
-        if not os.path.isdir(folder):
-            parser.error(f"--loss_log {args.loss_log}: no such directory {folder}")
-        if os.path.isdir(args.loss_log):
-            parser.error(f"--loss_log {args.loss_log} is a directory")
-    pp_size = args.world_size // args.dp_size  # ranks per pipeline replica
-    on = f"on {pp_size} ranks" + (f" per replica (--dp_size {args.dp_size})" if args.dp_size > 1 else "")
-    n_stages = num_stages_for(args.schedule, pp_size)
-    if n_stages > args.n_layers:
-        parser.error(f"{args.schedule} {on} makes {n_stages} stages, "
-                     f"more than --n_layers {args.n_layers}: each stage needs a layer")
-    if args.stage_layers is not None:
-        try:  # the division the ranks will make, made once here
-            layer_ranges(args.n_layers, n_stages, args.stage_layers)
-        except ValueError:
-            parser.error(f"--stage_layers {' '.join(map(str, args.stage_layers))}: {args.schedule} "
-                         f"{on} makes {n_stages} stages; give {n_stages} counts of at least 1 "
-                         f"adding up to --n_layers {args.n_layers}")
-    problem = schedule_problem(args.schedule, pp_size, args.n_microbatches)
-    if problem:
-        parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
-                     f"{on}: {problem}")
-    if args.trace is not None and os.path.exists(args.trace) and not os.path.isdir(args.trace):
-        parser.error(f"--trace {args.trace} is a file, not a directory")
-    check_checkpoint_args(parser, args)
-    distkit.check_placements(parser, args, placement)
-
-
-def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """Every rank a GPU of its own and NCCL, or every rank of the machine on the CPU with
-    gloo (what ``parallel.init_distributed`` picks in the worker)."""
-    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
-
-
-def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Resolve --resume to one complete, compatible checkpoint (args.resume_path) or None."""
-    if args.checkpoint_every < 0:
-        parser.error(f"--checkpoint_every must be at least 0, got {args.checkpoint_every}")
-    if args.checkpoint_every and not args.checkpoint_dir:
-        parser.error("--checkpoint_every needs --checkpoint_dir")
-    if args.resume == "latest" and not args.checkpoint_dir:
-        parser.error("--resume without a PATH needs --checkpoint_dir")
-    try:
-        args.resume_path = checkpoint.resume_path(args.resume, args.checkpoint_dir,
-                                                  model_args_from(args), args.optimizer,
-                                                  data_settings_from(args))
-    except ValueError as e:
-        parser.error(str(e))
-
-
-def model_args_from(args: argparse.Namespace) -> ModelArgs:
-    return ModelArgs(args.dim, args.n_layers, args.n_heads, args.vocab_size, args.dropout)
-
-
-def data_settings_from(args: argparse.Namespace) -> dict[str, int]:
-    """The flags that, with the step, fix which batch comes next: saved in every checkpoint."""
-    return {flag: getattr(args, flag) for flag in checkpoint.DATA_FLAGS}
-
-
-def layout_from(args: argparse.Namespace, device: torch.device) -> str:
-    """What fixes each rank's random draws (its stages, micro-batches, device): a resume in
-    the same layout gets every rank's random state back, so its dropout masks too."""
-    layers = f" stage_layers={','.join(map(str, args.stage_layers))}" if args.stage_layers else ""
-    return (f"world_size={args.world_size} dp_size={args.dp_size} "
-            f"schedule={args.schedule} split={args.split}{layers} "
-            f"n_microbatches={args.n_microbatches} device={device.type}")
-
-
-def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
-    """This rank's stages, cut from the same seeded full model that every rank builds."""
-    model_args = model_args_from(args)
-    torch.manual_seed(args.seed)
-    model = Transformer(model_args)
-    if env.dp_rank:
-        # the replicas' own dropout masks (they are equal on every rank of a replica, as
-        # before; replica 0 keeps the masks a run without --dp_size draws)
-        torch.manual_seed(args.seed + 1_000_003 * env.dp_rank)
-    microbatch = (args.batch_size // (env.dp_size * args.n_microbatches), args.seq_len)
-    return PipelineRank(model, model_args, env, args.schedule, args.split, args.n_microbatches,
-                        microbatch, args.lr, args.optimizer, args.stage_layers)
-
-
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """Every rank trains its stages; the one with the last stage reports the losses."""
-    pp = build_rank(args, init_distributed(args.device, args.dp_size))
-    replica = f", replica {pp.dp_rank} of {pp.dp_size}" if pp.dp_size > 1 else ""
-    log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
-             f"({args.schedule}, {args.split} split{replica}) on {pp.device}")
-    parts = [(s.submod, opt) for s, opt in zip(pp.stages, pp.optimizers)]
-    layout = layout_from(args, pp.device)
-    first = 0
-    # each rank (each restarted torchrun worker too) chose for itself: the same one?
-    if checkpoint.same_on_every_rank(args.resume_path):
-        # the step saved is also the data position: batch ``step`` is the next one to read
-        first = checkpoint.load(args.resume_path, parts, layout)
-        log.info(f"resumed from {args.resume_path} after step {first}")
-    losses: list[float] = []
-    # appended to, so that a resumed run goes on with the file of the run it resumes
-    reports = pp.has_last and pp.dp_rank == 0  # one rank prints the batch's loss
-    loss_log = open(args.loss_log, "a") if args.loss_log and reports else None
-    tracer = PipelineTracer(dist.get_rank()) if args.trace else None
-    start = time.perf_counter()
-    for step in range(first, args.steps):
-        x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
-        with tracer.step(step) if tracer else contextlib.nullcontext():
-            mb_losses = pp.forward_backward(x, y)
-        pp.optimizer_step()
-        if mb_losses is not None:
-            # equal micro-batches: the mean of their mean losses (over the replicas, too)
-            # is the batch's mean loss
-            loss = distkit.check_finite(pp.batch_loss(mb_losses), f"step {step + 1}")
-        if mb_losses is not None and reports:
-            losses.append(loss)
-            log.info(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}")
-            if loss_log is not None:
-                # one write of a whole line, flushed: a killed run leaves only whole lines
-                loss_log.write(json.dumps({"step": step + 1, "loss": losses[-1]}) + "\n")
-                loss_log.flush()
-        done = step + 1
-        if args.checkpoint_dir and (done == args.steps or
-                                    args.checkpoint_every and done % args.checkpoint_every == 0):
-            path = checkpoint.save(args.checkpoint_dir, done, parts, data_settings_from(args), layout)
-            log.info(f"checkpoint {path} complete")
-    seconds = time.perf_counter() - start
-    if loss_log is not None:
-        loss_log.close()
-    # peak resident memory of this process (Linux reports KiB)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if tracer:
-        tracer.finish(args.trace, args.schedule, args.n_microbatches)
-    dist.destroy_process_group()
-    summary = f"{args.steps - first} steps in {seconds:.1f} s, peak memory {peak_mb:.0f} MB"
-    if losses:
-        summary += f"; loss {losses[0]:.4f} -> {losses[-1]:.4f}"
-    log.info(summary)
-    return {"losses": losses or None, "seconds": seconds, "peak_mb": peak_mb, "first_step": first}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,13 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     results = distkit.launch(run_worker, args)
-    # judged on runs from step 0 only: what is left after a resume (a torchrun restart late in
-    # the run) may be too few steps to fall, and a non-zero exit would make torchrun restart
-    losses = [r["losses"] for r in results.values() if r and r["losses"] and r["first_step"] == 0]
-    if losses and len(losses[0]) > 1 and not losses[0][-1] < losses[0][0]:
-        print(f"The loss did not fall: {losses[0][0]:.4f} -> {losses[0][-1]:.4f}", file=sys.stderr)
-        return 1
-    return 0
+    return extras.exit_status(results)  # 1 if the loss of a run from step 0 did not fall
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""The tutorial's model: ``ModelArgs``, ``Transformer`` and ``tokenwise_loss_fn``."""
+"""The tutorial's model: ``ModelArgs``, ``Transformer`` and ``tokenwise_loss_fn``; and what it
+trains on: ``synthetic_batch`` (the tutorial's dummy data, made learnable) and ``make_optimizer``."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -53,3 +55,26 @@ class Transformer(nn.Module):
 def tokenwise_loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every token of a (micro-)batch."""
     return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
+
+
+def synthetic_batch(step: int, batch_size: int, seq_len: int, vocab_size: int,
+                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s tokens and targets; every rank draws the same ones.
+
+    Tokens follow Zipf's law, as words do, and each token's target is its successor id.
+    The tutorial's model has no position encoding, so this token-wise task is one it can
+    learn; frequent tokens are learned first and the loss falls within a few steps.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    zipf = 1.0 / torch.arange(1, vocab_size + 1, dtype=torch.float)
+    x = torch.multinomial(zipf, batch_size * seq_len, replacement=True, generator=gen)
+    x = x.view(batch_size, seq_len)
+    return x, (x + 1) % vocab_size
+
+
+def make_optimizer(name: str, params: Iterator[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}")

@@ -37,7 +37,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from distkit.timeline import (COMPUTE, Recorder, Span, clock, plot_timelines, read_chrome_trace,
                               spans_from_dicts, spans_to_dicts, write_chrome_trace)
-from pipelining_transformer.parallel import SCHEDULES, num_stages_for, stage_indices_for
+from pipelining_transformer.schedules import SCHEDULES, num_stages_for, stage_indices_for
 
 log = logging.getLogger(__name__)
 

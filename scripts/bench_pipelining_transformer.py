@@ -50,9 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 import pipelining_transformer.main as example  # noqa: E402
 from benchlib import describe_machine, format_table, median, save_plot  # noqa: E402
-from pipelining_transformer.model import Transformer, tokenwise_loss_fn  # noqa: E402
-from pipelining_transformer.parallel import (  # noqa: E402
-    SCHEDULES, PipelineRank, make_optimizer, schedule_problem, synthetic_batch)
+from pipelining_transformer.main import PipelineRank  # noqa: E402
+from pipelining_transformer.model import (  # noqa: E402
+    Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn)
+from pipelining_transformer.schedules import SCHEDULES, schedule_problem  # noqa: E402
 from pipelining_transformer.timeline import ideal_bubble  # noqa: E402
 
 HEADER = ["schedule", "m", "step ms", "tokens/s", "local step ms", "local tokens/s", "speed-up",

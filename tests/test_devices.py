@@ -15,7 +15,7 @@ import distkit
 from conftest import run_cli
 from ddp_rpc import main as ddp_rpc
 from pipelining_transformer import main as pipelining_transformer
-from pipelining_transformer.parallel import init_distributed
+from pipelining_transformer.main import init_distributed
 from rpc_pipeline_resnet import main as rpc_pipeline_resnet
 from rpc_rl import main as rpc_rl
 from rpc_rnn import main as rpc_rnn

@@ -70,7 +70,7 @@ EXAMPLES = {
         ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "100000"),
         r"step 1/",
         ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "4"),
-        1, "pipelining_transformer.parallel:PipelineRank.optimizer_step",
+        1, "pipelining_transformer.main:PipelineRank.optimizer_step",
         diverge=("--lr", "1e30")),
 }
 

@@ -20,10 +20,9 @@ import torch.distributed as dist
 import distkit
 from conftest import REPO, refused_before_launch, run_cli
 from pipelining_transformer import checkpoint
-from pipelining_transformer.main import (build_parser, build_rank, check_args, data_settings_from,
-                                         main, model_args_from)
-from pipelining_transformer.model import Transformer, tokenwise_loss_fn
-from pipelining_transformer.parallel import init_distributed, make_optimizer, synthetic_batch
+from pipelining_transformer.cli import data_settings_from
+from pipelining_transformer.main import build_parser, build_rank, check_args, init_distributed, main, model_args_from
+from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 
 # dropout 0 for the comparisons across splits: another layout draws other dropout masks
 TINY = ("--dim", "16", "--n_heads", "2", "--vocab_size", "32", "--seq_len", "8", "--n_layers", "4",

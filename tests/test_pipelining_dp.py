@@ -19,9 +19,10 @@ from torch.distributed.tensor import DTensor
 import distkit
 from conftest import refused_before_launch, run_cli
 from pipelining_transformer import checkpoint
-from pipelining_transformer.main import build_parser, build_rank, check_args, main, model_args_from
-from pipelining_transformer.model import Transformer, tokenwise_loss_fn
-from pipelining_transformer.parallel import SCHEDULES, init_distributed, make_optimizer, synthetic_batch
+from pipelining_transformer.main import build_parser, check_args, init_distributed, main, model_args_from
+from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
+from pipelining_transformer.schedules import SCHEDULES
+from test_pipelining_transformer import train_recorded
 
 # dropout 0 and SGD, as in test_pipelining_transformer.py (same reasons); 16 rows: 2 replicas
 # x 4 micro-batches of 2 rows
@@ -51,23 +52,12 @@ def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _dp_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """One step of the example's own loop (``main.train``) per (schedule, split) in args.runs."""
     env = init_distributed(args.device, args.dp_size)
     out = {"dp_rank": env.dp_rank, "pp_rank": env.pp_rank}
     for schedule, split in args.runs:
         run_args = argparse.Namespace(**{**vars(args), "schedule": schedule, "split": split})
-        pp = build_rank(run_args, env)
-        x, y = synthetic_batch(0, args.batch_size, args.seq_len, args.vocab_size, args.seed)
-        losses = pp.forward_backward(x, y)
-        # every rank of a dp group walks the same parameters in the same order: the
-        # gathers of _whole line up
-        grads = {n: _whole(p.grad) for n, p in pp.named_parameters()}
-        pp.optimizer_step()
-        out[(schedule, split)] = {
-            "losses": None if losses is None else torch.stack(losses).detach().cpu(),
-            "batch_loss": None if losses is None else pp.batch_loss(losses),
-            "grads": grads,
-            "params": {n: _whole(p) for n, p in pp.named_parameters()},
-        }
+        out[(schedule, split)] = train_recorded(run_args, env, whole=_whole)
         dist.barrier()  # no run's messages can meet the next run's
     dist.destroy_process_group()
     return out
@@ -77,7 +67,7 @@ def _dp_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
 def _launch(world_size: int, dp_size: int) -> tuple[argparse.Namespace, dict | str]:
     layout = ("--world_size", str(world_size), "--dp_size", str(dp_size))
     runs = RUNS[(world_size, dp_size)]
-    args = make_args(*TINY, *SGD, *layout)
+    args = make_args(*TINY, *SGD, *layout, "--steps", "1")
     for schedule, _ in runs:  # every run is one the CLI would accept
         make_args(*TINY, *SGD, *layout, "--schedule", schedule)
     args.runs = runs
@@ -125,8 +115,15 @@ def test_dp_x_pp_step_equals_single_process(world_size, dp_size, schedule, split
     expected = torch.stack([tokenwise_loss_fn(o, t) for o, t in
                             zip(ref["out"].chunk(n_mb), ref["y"].chunk(n_mb))])
     torch.testing.assert_close(got, expected)
-    for _, r in reporting:  # the loss main() prints: the whole batch's, on every replica
+    for _, r in reporting:  # the batch's loss: the whole batch's, on every replica
         torch.testing.assert_close(torch.tensor(per_rank[r]["batch_loss"]), ref["loss"])
+    # what the user reads: replica 0's last stage prints it and logs it at full precision
+    printed = {r: res["printed"] for r, res in per_rank.items() if res["printed"]}
+    first_reporting = reporting[0][1]
+    assert printed == {first_reporting: [f"step 1/1  loss {ref['loss']:.4f}"]}, printed
+    logged = {r: res["loss_log"] for r, res in per_rank.items() if res["loss_log"] is not None}
+    assert list(logged) == [first_reporting], logged
+    torch.testing.assert_close(torch.tensor(logged[first_reporting][0]["loss"]), ref["loss"])
 
     # every rank of every replica ends with the whole batch's gradients and update
     for r, res in per_rank.items():

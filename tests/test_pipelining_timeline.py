@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from pipelining_transformer import main as example
-from pipelining_transformer.parallel import SCHEDULES, num_stages_for
+from pipelining_transformer.schedules import SCHEDULES, num_stages_for
 from pipelining_transformer.timeline import action_table, plan
 
 ZERO_BUBBLE = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]

@@ -1,14 +1,21 @@
 """pipelining_transformer: every schedule and both splits equal one process; training; launchers.
 
 The equivalence tests share one launch per world size: its workers run every
-(schedule, split) in turn on a tiny model and return what each rank computed.
+(schedule, split) in turn on a tiny model, one step of the example's own training loop
+(``main.train``, the tutorial-shaped ``schedule.step`` by role that a user's run executes),
+and return what each rank computed, printed and logged.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import functools
+import json
+import logging
+import os
 import re
+import tempfile
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,16 +23,10 @@ import torch.distributed as dist
 
 import distkit
 from conftest import refused_before_launch, run_cli, run_torchrun
-from pipelining_transformer.main import build_parser, build_rank, check_args, main, model_args_from
-from pipelining_transformer.model import Transformer, tokenwise_loss_fn
-from pipelining_transformer.parallel import (
-    SCHEDULES,
-    init_distributed,
-    layer_ranges,
-    make_optimizer,
-    stage_indices_for,
-    synthetic_batch,
-)
+from pipelining_transformer import extras
+from pipelining_transformer.main import build_parser, check_args, init_distributed, main, model_args_from, train
+from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
+from pipelining_transformer.schedules import SCHEDULES, layer_ranges, stage_indices_for
 
 # dropout 0 so that a pipelined run and one process compute the same numbers; SGD so
 # that the step is linear in the gradient (Adam's first step turns rounding noise in
@@ -53,7 +54,8 @@ def make_args(*argv: str) -> argparse.Namespace:
 
 def tiny_args(world_size: int, *argv: str) -> argparse.Namespace:
     """The tests' model on ``world_size`` ranks, with the layers RUNS gives that size."""
-    return make_args(*TINY, "--n_layers", str(RUNS[world_size][0]), "--world_size", str(world_size), *argv)
+    return make_args(*TINY, "--steps", "1", "--n_layers", str(RUNS[world_size][0]),
+                     "--world_size", str(world_size), *argv)
 
 
 def test_layers_are_divided_among_stages():
@@ -74,23 +76,86 @@ def test_stage_placement_follows_each_schedule():
     assert stage_indices_for("DualPipeV", 3, 4) == [3, 4]
 
 
+class Recorder(extras.StepCallback):
+    """What a step of ``main.train`` left on this rank: the micro-batch losses the schedule
+    returned, the batch loss computed from them, the loss handed to the callbacks (the one
+    the run reports, None elsewhere), and each parameter's gradient and value after the step.
+
+    It is one more step callback, plus a wrap of this rank object's ``forward_backward`` and
+    ``batch_loss``: the step itself is the one a user's run executes.
+    """
+
+    def __init__(self, pp, whole: Callable[[torch.Tensor | None], torch.Tensor | None]) -> None:
+        self.pp, self.whole = pp, whole
+        self.out: dict = {"losses": None, "batch_loss": None}
+        step, batch_loss = pp.forward_backward, pp.batch_loss
+
+        def recording_step(x, y):
+            losses = step(x, y)
+            if losses is not None:
+                self.out["losses"] = torch.stack(losses).detach().cpu()
+            return losses
+
+        def recording_batch_loss(losses):
+            self.out["batch_loss"] = batch_loss(losses)
+            return self.out["batch_loss"]
+
+        pp.forward_backward, pp.batch_loss = recording_step, recording_batch_loss
+
+    def on_step_end(self, step: int, loss: float | None) -> None:
+        # every rank of a dp group walks the same parameters in the same order: the
+        # gathers of ``whole`` (a collective for dp-sharded ones) line up
+        self.out["reported"] = loss
+        self.out["grads"] = {n: self.whole(p.grad) for n, p in self.pp.named_parameters()}
+        self.out["params"] = {n: self.whole(p) for n, p in self.pp.named_parameters()}
+
+
+class LogLines(logging.Handler):
+    """The messages the example's loop logs on this rank (what the user reads, "[rank r]" aside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().cpu().clone()
+
+
+def train_recorded(args: argparse.Namespace, env, whole=_copy) -> dict:
+    """One run of the example's ``train`` with --loss_log on: what it recorded, printed, logged."""
+    said = LogLines()
+    logger = logging.getLogger("pipelining_transformer.main")
+    logger.addHandler(said)
+    recorders = []
+
+    def with_recorder(a: argparse.Namespace, pp) -> list[extras.StepCallback]:
+        recorders.append(Recorder(pp, whole))
+        return [*extras.callbacks_for(a, pp), recorders[-1]]
+
+    loss_log = os.path.join(tempfile.mkdtemp(), "losses.jsonl")
+    try:
+        train(argparse.Namespace(**{**vars(args), "loss_log": loss_log}), env, callbacks_for=with_recorder)
+    finally:
+        logger.removeHandler(said)
+    logged = None
+    if os.path.exists(loss_log):  # only the reporting rank writes it
+        with open(loss_log) as f:
+            logged = [json.loads(line) for line in f]
+    printed = [line for line in said.lines if re.fullmatch(r"step \d+/\d+  loss \S+", line)]
+    return {**recorders[0].out, "printed": printed, "loss_log": logged}
+
+
 def _equivalence_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     """One step of every (schedule, split) in args.runs, from the same initial weights."""
     env = init_distributed(args.device)
     out = {}
     for schedule, split in args.runs:
         run_args = argparse.Namespace(**{**vars(args), "schedule": schedule, "split": split})
-        pp = build_rank(run_args, env)
-        x, y = synthetic_batch(0, args.batch_size, args.seq_len, args.vocab_size, args.seed)
-        losses = pp.forward_backward(x, y)
-        grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
-                 for n, p in pp.named_parameters()}
-        pp.optimizer_step()
-        out[(schedule, split)] = {
-            "losses": None if losses is None else torch.stack(losses).detach().cpu(),
-            "grads": grads,
-            "params": {n: p.detach().cpu().clone() for n, p in pp.named_parameters()},
-        }
+        out[(schedule, split)] = train_recorded(run_args, env)
         dist.barrier(env.pp_group)  # no run's messages can meet the next run's
     dist.destroy_process_group()
     return out
@@ -152,10 +217,20 @@ def test_uneven_stage_layers_step_equals_single_process(split):
 
 
 def _assert_equals_reference(per_rank: list[dict], ref: dict) -> None:
-    """The ranks' losses, gradients and parameters after the step are the one process's."""
+    """The ranks' losses, gradients and parameters after the step are the one process's,
+    and so is the batch loss the run prints and writes to --loss_log."""
     losses = [r["losses"] for r in per_rank if r["losses"] is not None]
     assert len(losses) == 1, "exactly one rank holds the last stage"
     torch.testing.assert_close(losses[0], ref["losses"])
+    # what the user reads: one rank prints the batch's loss, and logs it at full precision
+    batch_loss = ref["losses"].mean()
+    printed = [line for r in per_rank for line in r["printed"]]
+    assert printed == [f"step 1/1  loss {batch_loss:.4f}"], printed
+    logged = [r["loss_log"] for r in per_rank if r["loss_log"] is not None]
+    assert len(logged) == 1 and [e["step"] for e in logged[0]] == [1], logged
+    torch.testing.assert_close(torch.tensor(logged[0][0]["loss"]), batch_loss)
+    reported = [r["reported"] for r in per_rank if r["reported"] is not None]
+    assert reported == [logged[0][0]["loss"]], reported
 
     grads, params = {}, {}
     for r in per_rank:

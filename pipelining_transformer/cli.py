@@ -1,0 +1,142 @@
+"""The command line beyond the tutorial: the extras' flags and every check made before launch.
+
+``main.build_parser`` holds the tutorial's own knobs (schedule, split, micro-batches, sizes);
+``add_extra_args`` adds the flags of what is layered on it (--stage_layers, --dp_size,
+--loss_log, --trace, checkpoints). ``check_args`` refuses, in one line and before any
+process starts, what the ranks would fail on later.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+import distkit
+from pipelining_transformer import checkpoint
+from pipelining_transformer.model import ModelArgs
+from pipelining_transformer.schedules import SCHEDULES, layer_ranges, num_stages_for, schedule_problem
+
+
+def schedule_name(text: str) -> str:
+    """Accept a schedule's short name in any case ("gpipe", "ScheduleGPipe")."""
+    by_lower = {name.lower(): name for name in SCHEDULES}
+    name = by_lower.get(text.lower().removeprefix("schedule"))
+    if name is None:
+        raise argparse.ArgumentTypeError(
+            f"unknown schedule {text!r} (this PyTorch offers {', '.join(SCHEDULES)})")
+    return name
+
+
+def add_extra_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the extras; none of them is on by default."""
+    parser.add_argument("--stage_layers", type=int, nargs="+", default=None, metavar="N",
+                        help="layers of each stage, in stage order (default: as even as can be); "
+                             "the last stage also computes the output projection and the loss")
+    parser.add_argument("--dp_size", type=int, default=1, metavar="D",
+                        help="pipeline replicas (data parallelism): world_size / D ranks each, "
+                             "every replica trains on 1/D of each batch")
+    parser.add_argument("--loss_log", default=None, metavar="PATH",
+                        help='append {"step": N, "loss": L} per step to PATH, one JSON line each, '
+                             "the loss at full precision (a resumed run continues the file)")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="record every forward/backward/weight-gradient and P2P wait per rank: "
+                             "DIR/rank<r>.json, merged DIR/trace.json (Perfetto), DIR/timeline.png "
+                             "(last step, measured beside PyTorch's plan)")
+    ckpt = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
+    ckpt.add_argument("--checkpoint_dir", default=None, metavar="DIR",
+                      help="save into DIR/step_<N>/ every --checkpoint_every steps and at the end")
+    ckpt.add_argument("--checkpoint_every", type=int, default=0, metavar="K",
+                      help="steps between checkpoints (0: only at the end)")
+    ckpt.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                      help="go on from checkpoint PATH, or (no PATH) from the newest complete "
+                           "one in --checkpoint_dir; a fresh start if there is none")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    distkit.check_launch_args(parser, args, min_world_size=1)
+    for flag in ("n_microbatches", "batch_size", "seq_len", "steps", "dim", "n_layers",
+                 "n_heads", "vocab_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.dp_size < 1:
+        parser.error(f"--dp_size must be at least 1, got {args.dp_size}")
+    if args.world_size % args.dp_size:
+        parser.error(f"--world_size {args.world_size} is not divisible by --dp_size {args.dp_size}")
+    if args.batch_size % (args.dp_size * args.n_microbatches):  # each replica: equal micro-batches
+        dp = f"--dp_size {args.dp_size} x " if args.dp_size > 1 else ""
+        parser.error(f"--batch_size {args.batch_size} is not divisible by "
+                     f"{dp}--n_microbatches {args.n_microbatches}")
+    if args.dim % args.n_heads:
+        parser.error(f"--dim {args.dim} is not divisible by --n_heads {args.n_heads}")
+    if not 0 <= args.dropout < 1:  # also false for nan
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    distkit.require_positive(parser, "--lr", args.lr)
+    if args.loss_log is not None:
+        folder = os.path.dirname(args.loss_log) or "."
+        if not os.path.isdir(folder):
+            parser.error(f"--loss_log {args.loss_log}: no such directory {folder}")
+        if os.path.isdir(args.loss_log):
+            parser.error(f"--loss_log {args.loss_log} is a directory")
+    pp_size = args.world_size // args.dp_size  # ranks per pipeline replica
+    on = f"on {pp_size} ranks" + (f" per replica (--dp_size {args.dp_size})" if args.dp_size > 1 else "")
+    n_stages = num_stages_for(args.schedule, pp_size)
+    if n_stages > args.n_layers:
+        parser.error(f"{args.schedule} {on} makes {n_stages} stages, "
+                     f"more than --n_layers {args.n_layers}: each stage needs a layer")
+    if args.stage_layers is not None:
+        try:  # the division the ranks will make, made once here
+            layer_ranges(args.n_layers, n_stages, args.stage_layers)
+        except ValueError:
+            parser.error(f"--stage_layers {' '.join(map(str, args.stage_layers))}: {args.schedule} "
+                         f"{on} makes {n_stages} stages; give {n_stages} counts of at least 1 "
+                         f"adding up to --n_layers {args.n_layers}")
+    problem = schedule_problem(args.schedule, pp_size, args.n_microbatches)
+    if problem:
+        parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
+                     f"{on}: {problem}")
+    if args.trace is not None and os.path.exists(args.trace) and not os.path.isdir(args.trace):
+        parser.error(f"--trace {args.trace} is a file, not a directory")
+    check_checkpoint_args(parser, args)
+    distkit.check_placements(parser, args, placement)
+
+
+def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+    """Every rank a GPU of its own and NCCL, or every rank of the machine on the CPU with
+    gloo (what ``main.init_distributed`` picks in the worker)."""
+    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
+
+
+def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve --resume to one complete, compatible checkpoint (args.resume_path) or None."""
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint_every must be at least 0, got {args.checkpoint_every}")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        parser.error("--checkpoint_every needs --checkpoint_dir")
+    if args.resume == "latest" and not args.checkpoint_dir:
+        parser.error("--resume without a PATH needs --checkpoint_dir")
+    try:
+        args.resume_path = checkpoint.resume_path(args.resume, args.checkpoint_dir,
+                                                  model_args_from(args), args.optimizer,
+                                                  data_settings_from(args))
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def model_args_from(args: argparse.Namespace) -> ModelArgs:
+    return ModelArgs(args.dim, args.n_layers, args.n_heads, args.vocab_size, args.dropout)
+
+
+def data_settings_from(args: argparse.Namespace) -> dict[str, int]:
+    """The flags that, with the step, fix which batch comes next: saved in every checkpoint."""
+    return {flag: getattr(args, flag) for flag in checkpoint.DATA_FLAGS}
+
+
+def layout_from(args: argparse.Namespace, device: torch.device) -> str:
+    """What fixes each rank's random draws (its stages, micro-batches, device): a resume in
+    the same layout gets every rank's random state back, so its dropout masks too."""
+    layers = f" stage_layers={','.join(map(str, args.stage_layers))}" if args.stage_layers else ""
+    return (f"world_size={args.world_size} dp_size={args.dp_size} "
+            f"schedule={args.schedule} split={args.split}{layers} "
+            f"n_microbatches={args.n_microbatches} device={device.type}")
+

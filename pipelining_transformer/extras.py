@@ -1,0 +1,167 @@
+"""What is layered on the tutorial's training loop: step callbacks, resume, the exit status.
+
+``main.train`` runs the tutorial's step and calls, around each one, the callbacks that
+``callbacks_for`` picks from the flags; none of them runs unless its flag asks for it:
+
+  ``LossLog``      --loss_log PATH: one JSON line per step, the loss at full precision
+  ``Checkpoints``  --checkpoint_dir DIR: a torch.distributed.checkpoint every K steps
+  ``Trace``        --trace DIR: every forward/backward/wait per rank (``timeline.py``)
+  ``Summary``      always: steps, seconds, peak memory and the first and last loss
+
+``resume`` (--resume) loads a checkpoint before the first step and says which step is next;
+``exit_status`` judges a finished run (1 if the loss of a run from step 0 did not fall).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import sys
+import time
+
+import torch.distributed as dist
+
+from pipelining_transformer import checkpoint
+from pipelining_transformer.cli import data_settings_from, layout_from
+from pipelining_transformer.timeline import PipelineTracer
+
+log = logging.getLogger(__name__)
+
+
+class StepCallback:
+    """Hooks ``main.train`` calls around every step; ``step`` is the 0-based batch index,
+    ``loss`` the batch's loss on the rank that reports it (None on every other rank)."""
+
+    def on_step_begin(self, step: int) -> None:
+        pass
+
+    def on_step_end(self, step: int, loss: float | None) -> None:
+        pass
+
+    def on_train_end(self) -> None:
+        pass
+
+
+def _parts(pp) -> list:
+    """Each stage's module with its optimizer: what a checkpoint holds."""
+    return [(s.submod, opt) for s, opt in zip(pp.stages, pp.optimizers)]
+
+
+class LossLog(StepCallback):
+    """--loss_log: appended to, so that a resumed run goes on with the file of the run it resumes."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a")
+
+    def on_step_end(self, step: int, loss: float | None) -> None:
+        if loss is not None:
+            # one write of a whole line, flushed: a killed run leaves only whole lines
+            self.file.write(json.dumps({"step": step + 1, "loss": loss}) + "\n")
+            self.file.flush()
+
+    def on_train_end(self) -> None:
+        self.file.close()
+
+
+class Checkpoints(StepCallback):
+    """--checkpoint_dir: save every --checkpoint_every steps and after the last (a collective)."""
+
+    def __init__(self, args: argparse.Namespace, pp) -> None:
+        self.args, self.parts = args, _parts(pp)
+        self.layout = layout_from(args, pp.device)
+
+    def on_step_end(self, step: int, loss: float | None) -> None:
+        done, every = step + 1, self.args.checkpoint_every
+        if done == self.args.steps or every and done % every == 0:
+            path = checkpoint.save(self.args.checkpoint_dir, done, self.parts,
+                                   data_settings_from(self.args), self.layout)
+            log.info(f"checkpoint {path} complete")
+
+
+class Trace(StepCallback):
+    """--trace: each ``forward_backward`` becomes a "step" span, the stages' compute and
+    waits spans inside it; at the end the files and the drawing (``timeline.py``)."""
+
+    def __init__(self, args: argparse.Namespace, pp) -> None:
+        self.args, self.step = args, 0
+        self.tracer = PipelineTracer(dist.get_rank())
+        inner = pp.forward_backward
+
+        def traced(*a, **kw):
+            with self.tracer.step(self.step):
+                return inner(*a, **kw)
+
+        pp.forward_backward = traced  # this rank object only; the class is untouched
+
+    def on_step_begin(self, step: int) -> None:
+        self.step = step
+
+    def on_train_end(self) -> None:
+        self.tracer.finish(self.args.trace, self.args.schedule, self.args.n_microbatches)
+
+
+class Summary(StepCallback):
+    """Always on: the run's losses, time and peak memory, logged at the end and returned."""
+
+    def __init__(self, args: argparse.Namespace, first: int) -> None:
+        self.steps, self.first = args.steps - first, first
+        self.losses: list[float] = []
+        self.start = time.perf_counter()
+        self.seconds = self.peak_mb = 0.0
+
+    def on_step_end(self, step: int, loss: float | None) -> None:
+        if loss is not None:
+            self.losses.append(loss)
+
+    def on_train_end(self) -> None:
+        self.seconds = time.perf_counter() - self.start
+        # peak resident memory of this process (Linux reports KiB)
+        self.peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        text = f"{self.steps} steps in {self.seconds:.1f} s, peak memory {self.peak_mb:.0f} MB"
+        if self.losses:
+            text += f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}"
+        log.info(text)
+
+    def result(self) -> dict:
+        """What ``run_worker`` returns to the launcher (``exit_status`` reads it)."""
+        return {"losses": self.losses or None, "seconds": self.seconds, "peak_mb": self.peak_mb,
+                "first_step": self.first}
+
+
+def callbacks_for(args: argparse.Namespace, pp) -> list[StepCallback]:
+    """The callbacks the flags ask for (``Summary`` is added by ``main.train`` itself)."""
+    callbacks: list[StepCallback] = []
+    if args.loss_log and pp.reports:
+        callbacks.append(LossLog(args.loss_log))
+    if args.checkpoint_dir:
+        callbacks.append(Checkpoints(args, pp))
+    if args.trace:
+        callbacks.append(Trace(args, pp))
+    return callbacks
+
+
+def resume(args: argparse.Namespace, pp) -> int:
+    """--resume: load the checkpoint check_args chose, and return its step (0: a fresh start).
+
+    The step saved is also the data position: batch ``step`` is the next one to read.
+    """
+    # each rank (each restarted torchrun worker too) chose for itself: the same one?
+    if not checkpoint.same_on_every_rank(args.resume_path):
+        return 0
+    first = checkpoint.load(args.resume_path, _parts(pp), layout_from(args, pp.device))
+    log.info(f"resumed from {args.resume_path} after step {first}")
+    return first
+
+
+def exit_status(results: dict) -> int:
+    """0, or 1 if the loss of a run from step 0 did not fall.
+
+    Judged on runs from step 0 only: what is left after a resume (a torchrun restart late
+    in the run) may be too few steps to fall, and a non-zero exit would make torchrun restart.
+    """
+    losses = [r["losses"] for r in results.values() if r and r["losses"] and r["first_step"] == 0]
+    if losses and len(losses[0]) > 1 and not losses[0][-1] < losses[0][0]:
+        print(f"The loss did not fall: {losses[0][0]:.4f} -> {losses[0][-1]:.4f}", file=sys.stderr)
+        return 1
+    return 0
