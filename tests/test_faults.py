@@ -320,7 +320,7 @@ def test_rpc_examples_have_a_bounded_rpc_timeout(name):
 @pytest.mark.timeout(300)
 def test_sigkilled_launcher_takes_its_workers_along(example):
     # workers busy computing or in a collective never touch the store: the parent-death
-    # signal (distkit.launch._die_with_parent) is what ends them
+    # signal (distkit.worker.die_with_parent) is what ends them
     name, ex = example
     job = Job(ex.argv)
     try:

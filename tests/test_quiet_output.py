@@ -1,5 +1,7 @@
-"""A user's run prints no warnings: each example, launched as a user launches it, in a tiny
-configuration (the default one, made shorter), writes no 'Warning' line.
+"""A user's run prints no warnings, and prints what its README shows: each example, launched
+as a user launches it, in a tiny configuration (the default one, made shorter), writes no
+'Warning' line, and every line of its README's output excerpt (numbers aside) is among the
+lines it prints.
 
 DistributedOptimizer's DeprecationWarning for TorchScript functional optimizers, raised on
 every process that owns parameters, is the one these runs used to print (see the README).
@@ -7,10 +9,11 @@ every process that owns parameters, is the one these runs used to print (see the
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 pytestmark = pytest.mark.fast
 
@@ -29,6 +32,44 @@ DONE = {  # what each run prints once it has done its work
 }
 
 
+EXCERPT_HEADING = "## What you see"
+NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?"
+
+
+def excerpt(readme: Path) -> list[str]:
+    """The lines of the first fenced block under the README's "What you see" section,
+    without commands (``$ ...``) and elisions (``...``)."""
+    text = readme.read_text()
+    assert EXCERPT_HEADING in text, f"{readme} has no section {EXCERPT_HEADING!r}"
+    section = text.split(EXCERPT_HEADING, 1)[1]
+    block = section.split("```", 2)[1].split("\n", 1)[1]  # drop the fence's language tag
+    return [line.rstrip() for line in block.splitlines()
+            if line.strip() and not line.startswith("$") and line.strip() != "..."]
+
+
+def line_pattern(line: str) -> re.Pattern:
+    """``line`` with every number a wildcard and every run of spaces flexible."""
+    def token(word: str) -> str:
+        parts = re.split(f"({NUMBER})", word)
+        return "".join(NUMBER if i % 2 else re.escape(part) for i, part in enumerate(parts))
+    return re.compile(r"\s+".join(token(word) for word in line.split()))
+
+
+def missing_lines(readme: Path, output: str) -> list[str]:
+    """The excerpt's lines that no line of ``output`` matches (numbers aside)."""
+    printed = output.splitlines()
+    return [line for line in excerpt(readme)
+            if not any(line_pattern(line).search(p) for p in printed)]
+
+
+def test_the_excerpt_check_can_fail(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{EXCERPT_HEADING}\n\n```text\n$ python x.py\nstep 1/10  loss 9.21\n...\n"
+                      "done in 3.5 s\n```\n")
+    assert missing_lines(readme, "INFO step 1/2  loss 4.5\ndone in 0.2 s\n") == []
+    assert missing_lines(readme, "INFO step 1/2  error 4.5\ndone in 0.2 s\n") == ["step 1/10  loss 9.21"]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("example", sorted(RUNS))
 def test_default_run_prints_no_warning(example):
@@ -40,3 +81,6 @@ def test_default_run_prints_no_warning(example):
     assert DONE[example] in out, out
     warnings = [line for line in out.splitlines() if re.search("warn", line, re.IGNORECASE)]
     assert not warnings, "\n".join(warnings)
+    # the README's excerpt of a default run: the same lines, whatever the numbers
+    missing = missing_lines(REPO / example / "README.md", out)
+    assert not missing, "README lines this run did not print:\n" + "\n".join(missing) + "\n\n" + out

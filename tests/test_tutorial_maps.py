@@ -1,0 +1,79 @@
+"""Every example README's map from tutorial steps to code points at lines that exist.
+
+Each example README has a section "## Where each tutorial step is" with a table whose rows
+read ``| tutorial step | `name` | [file.py#L<n>](file.py#L<n>) |``. A row's ``name`` (the
+first backticked text of its second cell) must appear on line ``n`` of ``file.py`` (a path
+relative to the README), so a map cannot rot when code moves: this test fails instead.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.fast
+
+EXAMPLES = ["rpc_rl", "ddp_rpc", "rpc_rnn", "rpc_pipeline_resnet", "pipelining_transformer"]
+HEADING = "## Where each tutorial step is"
+LINK = re.compile(r"\]\(([^)#\s]+)#L(\d+)\)")
+NAME = re.compile(r"`([^`]+)`")
+
+
+def map_rows(readme: Path) -> list[tuple[str, str, int]]:
+    """(name, path relative to the README, line) for every row of the README's step map."""
+    text = readme.read_text()
+    assert HEADING in text, f"{readme} has no section {HEADING!r}"
+    section = text.split(HEADING, 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not line.lstrip().startswith("|"):
+            continue
+        link = LINK.search(cells[2])
+        name = NAME.search(cells[1])
+        if link is None or name is None:
+            continue
+        rows.append((name.group(1), link.group(1), int(link.group(2))))
+    return rows
+
+
+def problems(readme: Path) -> list[str]:
+    """Why rows of ``readme``'s map point at the wrong place (empty: none)."""
+    found = []
+    for name, rel, line in map_rows(readme):
+        path = readme.parent / rel
+        if not path.is_file():
+            found.append(f"{rel}#L{line}: no such file")
+            continue
+        lines = path.read_text().splitlines()
+        if not 1 <= line <= len(lines):
+            found.append(f"{rel}#L{line}: {rel} has {len(lines)} lines")
+        elif name not in lines[line - 1]:
+            found.append(f"{rel}#L{line}: {name!r} is not on that line: {lines[line - 1].strip()!r}")
+    return found
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_step_of_the_map_is_on_its_line(example):
+    readme = REPO / example / "README.md"
+    rows = map_rows(readme)
+    assert len(rows) >= 5, f"{readme}: the step map has {len(rows)} rows, expected every step"
+    assert not problems(readme), "\n".join(problems(readme))
+
+
+def test_a_row_pointed_at_a_wrong_line_fails(tmp_path):
+    """The check itself can fail: a row one line off, and one whose file is gone."""
+    (tmp_path / "main.py").write_text("import torch\n\ndef run_master():\n    pass\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{HEADING}\n\n| step | code | where |\n|---|---|---|\n"
+                      "| loop | `run_master` | [main.py#L3](main.py#L3) |\n")
+    assert problems(readme) == []
+    readme.write_text(readme.read_text().replace("#L3", "#L2")
+                      + "| gone | `x` | [other.py#L1](other.py#L1) |\n")
+    assert problems(readme) == [
+        "main.py#L2: 'run_master' is not on that line: ''",
+        "other.py#L1: no such file",
+    ]
