@@ -16,7 +16,7 @@ three methods are wrapped with clocks, nothing else is touched:
     stage, and the loss the schedule computes after the last stage's forward: a rank's
     compute. Measured bubble = 1 - compute / schedule time, the share of the schedule a
     rank spends waiting (mean over ranks). Ideal bubble: the schedule's own action table
-    played with unit costs (F 1, B 2, I 1, W 1; ``pipelining_transformer.timeline.plan``):
+    played with unit costs (F 1, B 2, I 1, W 1; ``pipelining_transformer.planned.plan``):
     (p - 1) / (m + p - 1) for GPipe and 1F1B, less for the interleaved and zero-bubble ones.
 Peak memory is each process's peak resident set (``ru_maxrss``, ``import torch`` included).
 
@@ -54,7 +54,7 @@ from pipelining_transformer.main import PipelineRank  # noqa: E402
 from pipelining_transformer.model import (  # noqa: E402
     Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn)
 from pipelining_transformer.schedules import SCHEDULES, schedule_problem  # noqa: E402
-from pipelining_transformer.timeline import ideal_bubble  # noqa: E402
+from pipelining_transformer.planned import ideal_bubble  # noqa: E402
 
 HEADER = ["schedule", "m", "step ms", "tokens/s", "local step ms", "local tokens/s", "speed-up",
           "1-thread step ms", "bubble", "ideal bubble", "peak MB/rank", "local peak MB"]

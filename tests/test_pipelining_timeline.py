@@ -8,7 +8,7 @@ import pytest
 
 from pipelining_transformer import main as example
 from pipelining_transformer.schedules import SCHEDULES, num_stages_for
-from pipelining_transformer.timeline import action_table, plan
+from pipelining_transformer.planned import action_table, plan
 
 ZERO_BUBBLE = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 TINY = ["--dim", "32", "--n_layers", "4", "--n_heads", "2", "--vocab_size", "64", "--dropout", "0",

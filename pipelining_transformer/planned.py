@@ -1,0 +1,150 @@
+"""What a schedule plans: its per-rank action table, played with unit costs (ideal bubbles).
+
+``plan(schedule, world_size, m)`` asks PyTorch for the schedule's per-rank action
+table (before anything runs) and plays it with unit costs, F = 1, full B = 2, and for the
+zero-bubble schedules I (input gradients) = 1, W (weight gradients) = 1, messages free and
+stages equal. Each rank runs its actions in the table's order; an action starts when its
+rank is free and its inputs exist (F of micro-batch i on stage s after F of i on s - 1;
+B or I of i on s after B or I of i on s + 1; W after I). The ideal bubble of a rank is
+1 - its busy time / the makespan: for GPipe and 1F1B that is (p - 1) / (m + p - 1).
+``timeline.py`` draws a measured step beside this plan; the benchmark reports ``ideal_bubble``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Private in torch 2.14.1 (pinned: re-check on upgrade). get_schedule_ops builds a schedule
+# around mock stages and returns its ``pipeline_order``: PyTorch's own table, which we
+# would otherwise have to re-derive per schedule.
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+from distkit.timeline import Span
+from pipelining_transformer.schedules import SCHEDULES, num_stages_for, stage_indices_for
+
+# The cost model of the plan, in units of one stage's forward of one micro-batch
+COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+# How a planned action is drawn: I (input gradients only) is a backward, as in distkit
+KIND = {"F": "F", "B": "B", "I": "B", "W": "W"}
+
+
+def action_table(schedule: str, world_size: int, n_microbatches: int
+                 ) -> list[list[tuple[str, int, int]]]:
+    """Each rank's compute actions in order, as (type, stage, micro-batch); type F, B, I, W.
+
+    PyTorch's table, with its spacing (None) dropped and DualPipeV's overlapped F+B pairs
+    split into their two actions, which the runtime runs one after the other.
+    """
+    ops = get_schedule_ops(SCHEDULES[schedule], world_size, n_microbatches)
+    table = []
+    for rank_ops in ops:
+        actions = []
+        for a in rank_ops:
+            for sub in (a.sub_actions or (a,)) if a is not None else ():
+                kind = sub.computation_type.value
+                if kind in COSTS:  # not REDUCE_GRAD, UNSHARD, ...
+                    actions.append((kind, sub.stage_index, sub.microbatch_index))
+        table.append(actions)
+    if schedule == "1F1B" and _table_problem(table, schedule, world_size, n_microbatches):
+        # torch 2.14.1's Schedule1F1B._get_pipeline_order numbers the last rank's micro-batches
+        # from 1 (F1..Fm, no F0) and leaves the middle ranks one warm-up forward short; its
+        # _step_microbatches, which is what runs, does not use that table. This is the order
+        # _step_microbatches runs: min(m, p - s) warm-up forwards, then B, F alternately.
+        table = [_one_f_one_b(rank, world_size, n_microbatches) for rank in range(world_size)]
+    problem = _table_problem(table, schedule, world_size, n_microbatches)
+    if problem:
+        raise ValueError(f"PyTorch's {schedule} table on {world_size} ranks, m = "
+                         f"{n_microbatches}: {problem}")
+    return table
+
+
+def _one_f_one_b(stage: int, num_stages: int, m: int) -> list[tuple[str, int, int]]:
+    warmup = min(m, num_stages - stage)
+    actions = [("F", stage, i) for i in range(warmup)]
+    for i in range(m):
+        actions.append(("B", stage, i))
+        if warmup + i < m:
+            actions.append(("F", stage, warmup + i))
+    return actions
+
+
+def _table_problem(table: list[list[tuple[str, int, int]]], schedule: str, world_size: int,
+                   m: int) -> str | None:
+    """Why ``table`` is not one F and one backward (B, or I and W) per stage and micro-batch."""
+    for rank, actions in enumerate(table):
+        for stage in stage_indices_for(schedule, rank, world_size):
+            for i in range(m):
+                kinds = sorted(k for k, s, mb in actions if (s, mb) == (stage, i))
+                if kinds not in (["B", "F"], ["F", "I", "W"]):
+                    return f"rank {rank} has {kinds or 'nothing'} for stage {stage}, micro-batch {i}"
+        if len(actions) != len(set(actions)):
+            return f"rank {rank} repeats an action"
+    return None
+
+
+@dataclass
+class Plan:
+    """A schedule's table played with unit costs: spans in cost units, per rank."""
+
+    schedule: str
+    world_size: int
+    n_microbatches: int
+    spans: list[Span]
+    makespan: float
+
+    def busy(self, rank: int) -> float:
+        return sum(s.end - s.start for s in self.spans if s.rank == rank)
+
+    @property
+    def idle(self) -> list[float]:
+        """Each rank's ideal idle fraction of the makespan (its ideal bubble)."""
+        return [1 - self.busy(r) / self.makespan for r in range(self.world_size)]
+
+    @property
+    def bubble(self) -> float:
+        """The mean over ranks: what the benchmark's measured bubble is compared with."""
+        return sum(self.idle) / self.world_size
+
+
+def plan(schedule: str, world_size: int, n_microbatches: int) -> Plan:
+    """Play ``schedule``'s own action table with ``COSTS`` (see the module docstring)."""
+    table = action_table(schedule, world_size, n_microbatches)
+    last = num_stages_for(schedule, world_size) - 1
+    done: dict[tuple[str, int, int], float] = {}  # (type, stage, mb) -> end time
+    free = [0.0] * world_size
+    heads = [0] * world_size
+    spans: list[Span] = []
+
+    def ready(kind: str, stage: int, mb: int) -> float | None:
+        """When the inputs of this action exist, or None if not yet known."""
+        if kind == "F":
+            deps = [("F", stage - 1, mb)] if stage > 0 else []
+        elif kind in ("B", "I"):
+            deps = [("F", stage, mb)] if stage == last else [("B", stage + 1, mb), ("I", stage + 1, mb)]
+            deps = [d for d in deps if d in done] or deps[:1]  # B or I of the next stage
+        else:  # W
+            deps = [("I", stage, mb)]
+        if any(d not in done for d in deps):
+            return None
+        return max((done[d] for d in deps), default=0.0)
+
+    while any(h < len(t) for h, t in zip(heads, table)):
+        progress = False
+        for rank, actions in enumerate(table):
+            while heads[rank] < len(actions):
+                kind, stage, mb = actions[heads[rank]]
+                t = ready(kind, stage, mb)
+                if t is None:
+                    break
+                start = max(free[rank], t)
+                free[rank] = done[kind, stage, mb] = start + COSTS[kind]
+                spans.append(Span(rank, KIND[kind], start, free[rank], stage, mb))
+                heads[rank] += 1
+                progress = True
+        if not progress:
+            stuck = {r: t[h] for r, (h, t) in enumerate(zip(heads, table)) if h < len(t)}
+            raise RuntimeError(f"{schedule}'s table deadlocks: next actions {stuck}")
+    return Plan(schedule, world_size, n_microbatches, spans, max(free))
+
+
+def ideal_bubble(schedule: str, world_size: int, n_microbatches: int) -> float:
+    return plan(schedule, world_size, n_microbatches).bubble
