@@ -16,6 +16,7 @@ from .args import (
     add_launch_args,
     check_finite,
     check_launch_args,
+    check_path,
     check_placements,
     require_positive,
 )
@@ -35,7 +36,7 @@ from .worker import Worker, cleanup, exit_process, silence_torchscript_optimizer
 
 __all__ = [
     "ArgumentParser", "DeviceError", "Placement", "Worker", "add_launch_args", "agree_on_backend",
-    "backend_for", "check_finite", "check_launch_args", "check_placements", "cleanup",
+    "backend_for", "check_finite", "check_launch_args", "check_path", "check_placements", "cleanup",
     "exit_process", "gpu_count", "group_placement", "job_store", "launch", "local_workers",
     "parse_ranks", "pick_device", "process_group_store", "require_positive",
     "silence_torchscript_optimizer_warning", "threads_per_process", "under_torchrun",

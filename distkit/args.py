@@ -1,5 +1,8 @@
 """The flags every example shares, and one-line refusals of bad input before launch.
 
+``check_path`` is the one check of every flag that names a file or a directory: a run must
+not train for an hour and then fail on the path it writes to.
+
 ``ArgumentParser`` turns every error into one line and exit status 2; ``add_launch_args``
 and ``check_launch_args`` are the launch flags (``--world_size``, ``--master_addr``,
 ``--ranks``, ``--device``, ``--threads``, ``--rpc_timeout``) and their checks.
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -39,14 +43,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None,
-                    rpc_timeout: float | None = None, device: bool = True) -> None:
+                    rpc_timeout: float | None = None, device: bool = True,
+                    hang_timeout: float = 120) -> None:
     """The flags every example shares. ``world_size=None``: torchrun or --world_size decides.
 
     ``rpc_timeout`` (seconds), for the RPC examples, becomes the ``--rpc_timeout`` default:
     no RPC waits longer for a peer that is gone. ``device=False``: no ``--device`` flag, for
     an example that runs on the CPU whatever is there (it would be a flag that does nothing).
+    ``hang_timeout`` (seconds) becomes the ``--hang_timeout`` default (watchdog.py).
     """
     g = parser.add_argument_group("launch")
+    g.add_argument("--hang_timeout", type=float, default=hang_timeout, metavar="S",
+                   help="end the job, with every rank's stack, when no rank has made progress "
+                        "(a module's forward, an optimizer step) for S seconds; 0: never")
     if rpc_timeout is not None:
         g.add_argument("--rpc_timeout", type=float, default=rpc_timeout,
                        help="seconds an RPC may take before it fails")
@@ -89,6 +98,8 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--world_size must be at most {max_world_size}, got {args.world_size}")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         parser.error(f"--master_port must be in 1..65535, got {args.master_port}")
+    if args.hang_timeout != 0:  # 0 turns the watchdog off; nan or inf would too, silently
+        require_positive(parser, "--hang_timeout", args.hang_timeout)
     if hasattr(args, "rpc_timeout"):  # nan or inf would leave every RPC unbounded
         require_positive(parser, "--rpc_timeout", args.rpc_timeout)
     if args.threads is not None and args.threads < 1:
@@ -132,3 +143,64 @@ def check_placements(parser: argparse.ArgumentParser, args: argparse.Namespace,
             placement(worker, args)
         except DeviceError as e:
             parser.error(str(e))
+
+
+PATH_KINDS = ("out_dir", "out_file", "in_file", "in_dir")
+
+
+def path_problem(path: str, kind: str) -> str | None:
+    """Why ``path`` cannot serve as ``kind``, or None. Kinds:
+
+    ``out_dir``   a directory the run creates (with missing parents) or writes into
+    ``out_file``  a file the run creates (and its directory, if missing), overwrites or appends to
+    ``in_file``   a file the run reads; ``in_dir``: a directory the run reads
+
+    Writability is tried, not read from the mode bits: root passes ``os.access`` everywhere,
+    and a read-only mount or a full quota only shows when a file is made.
+    """
+    if kind not in PATH_KINDS:
+        raise ValueError(f"kind must be one of {PATH_KINDS}, got {kind!r}")
+    given = os.path.abspath(path)
+    if kind in ("in_file", "in_dir"):
+        want_dir = kind == "in_dir"
+        if not os.path.exists(path):
+            return "no such " + ("directory" if want_dir else "file")
+        if os.path.isdir(path) != want_dir:
+            return "is a directory, not a file" if not want_dir else "is a file, not a directory"
+        if not os.access(path, os.R_OK):
+            return "cannot be read"
+        return None
+    if kind == "out_file":
+        if os.path.isdir(path):
+            return "is a directory, not a file"
+        if os.path.exists(path):
+            try:
+                open(path, "a").close()  # append mode: opening changes nothing in the file
+            except OSError as e:
+                return f"cannot be written ({e.strerror})"
+            return None
+        # a new file: its directory is made if missing, so it must be one that can be
+        path = os.path.dirname(os.path.abspath(path))
+    # out_dir: every existing part of the path must be a directory, the nearest one writable
+    nearest = os.path.abspath(path)
+    while not os.path.exists(nearest):
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        return "is a file, not a directory" if nearest == given else f"{nearest} is a file, not a directory"
+    return _cannot_create_in(nearest)
+
+
+def _cannot_create_in(directory: str) -> str | None:
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            return None
+    except OSError as e:
+        return f"cannot write in {directory} ({e.strerror})"
+
+
+def check_path(parser: argparse.ArgumentParser, flag: str, path: str | None, kind: str) -> None:
+    """One line and exit 2, before anything starts, unless ``path`` (when given) serves as ``kind``."""
+    if path is not None:
+        problem = path_problem(path, kind)
+        if problem:
+            parser.error(f"{flag} {path}: {problem}")

@@ -8,7 +8,6 @@ process starts, what the ranks would fail on later.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
@@ -72,12 +71,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not 0 <= args.dropout < 1:  # also false for nan
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     distkit.require_positive(parser, "--lr", args.lr)
-    if args.loss_log is not None:
-        folder = os.path.dirname(args.loss_log) or "."
-        if not os.path.isdir(folder):
-            parser.error(f"--loss_log {args.loss_log}: no such directory {folder}")
-        if os.path.isdir(args.loss_log):
-            parser.error(f"--loss_log {args.loss_log} is a directory")
+    # every path before anything trains: a run must not fail on one after hours (distkit)
+    distkit.check_path(parser, "--loss_log", args.loss_log, "out_file")
+    distkit.check_path(parser, "--trace", args.trace, "out_dir")
+    distkit.check_path(parser, "--checkpoint_dir", args.checkpoint_dir, "out_dir")
+    if args.resume != "latest":
+        distkit.check_path(parser, "--resume", args.resume, "in_dir")
     pp_size = args.world_size // args.dp_size  # ranks per pipeline replica
     on = f"on {pp_size} ranks" + (f" per replica (--dp_size {args.dp_size})" if args.dp_size > 1 else "")
     n_stages = num_stages_for(args.schedule, pp_size)
@@ -95,8 +94,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if problem:
         parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
                      f"{on}: {problem}")
-    if args.trace is not None and os.path.exists(args.trace) and not os.path.isdir(args.trace):
-        parser.error(f"--trace {args.trace} is a file, not a directory")
     check_checkpoint_args(parser, args)
     distkit.check_placements(parser, args, placement)
 

@@ -19,8 +19,10 @@ import logging
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pipelining_transformer import checkpoint
 from pipelining_transformer.cli import data_settings_from, layout_from
@@ -52,13 +54,18 @@ class LossLog(StepCallback):
     """--loss_log: appended to, so that a resumed run goes on with the file of the run it resumes."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as cli.check_args allowed
         self.file = open(path, "a")
 
     def on_step_end(self, step: int, loss: float | None) -> None:
         if loss is not None:
-            # one write of a whole line, flushed: a killed run leaves only whole lines
-            self.file.write(json.dumps({"step": step + 1, "loss": loss}) + "\n")
-            self.file.flush()
+            try:  # one write of a whole line, flushed: a killed run leaves only whole lines
+                self.file.write(json.dumps({"step": step + 1, "loss": loss}) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk: say where and when, not only errno
+                raise OSError(e.errno, f"--loss_log {self.path}: cannot write step {step + 1}: "
+                                       f"{e.strerror}") from e
 
     def on_train_end(self) -> None:
         self.file.close()
@@ -74,8 +81,16 @@ class Checkpoints(StepCallback):
     def on_step_end(self, step: int, loss: float | None) -> None:
         done, every = step + 1, self.args.checkpoint_every
         if done == self.args.steps or every and done % every == 0:
-            path = checkpoint.save(self.args.checkpoint_dir, done, self.parts,
-                                   data_settings_from(self.args), self.layout)
+            try:
+                path = checkpoint.save(self.args.checkpoint_dir, done, self.parts,
+                                       data_settings_from(self.args), self.layout)
+            # a full disk, a directory taken away: where, when, what is left (DCP's
+            # CheckpointException is a BaseException, the others' errors gathered on each rank)
+            except (Exception, CheckpointException) as e:
+                previous = checkpoint.latest_complete(self.args.checkpoint_dir)
+                raise RuntimeError(f"--checkpoint_dir {self.args.checkpoint_dir}: cannot save step "
+                                   f"{done} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); the newest complete checkpoint "
+                                   f"is {previous or 'none'} (--resume goes on from it)") from e
             log.info(f"checkpoint {path} complete")
 
 

@@ -106,6 +106,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"micro-batches of {smallest} image(s) of {args.image_size}x{args.image_size} "
                      f"give BatchNorm {in_layer3} value(s) per channel in layer3 and {in_layer4} in "
                      f"layer4 (training needs 4 and 2); use a larger --image_size or fewer splits")
+    distkit.check_path(parser, "--trace", args.trace, "out_dir")
     distkit.check_placements(parser, args, placement)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 import torch
@@ -73,10 +72,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--gamma must be in (0, 1], got {args.gamma}")
     if args.play_episodes < 1:
         parser.error(f"--play_episodes must be at least 1, got {args.play_episodes}")
-    if args.play is not None and not os.path.isfile(args.play):
-        parser.error(f"--play {args.play}: no such file")
-    if args.save is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
-        parser.error(f"--save {args.save}: its directory does not exist")
+    distkit.check_path(parser, "--play", args.play, "in_file")
+    distkit.check_path(parser, "--save", args.save, "out_file")
     distkit.check_placements(parser, args, placement)
 
 

@@ -13,6 +13,7 @@ from rpc_rl.agent import ENV_NAME, Policy
 def save_policy(policy: Policy, path: str, **info: object) -> None:
     """Write atomically: a run killed mid-save leaves the previous file, never half of one."""
     tmp = Path(f"{path}.tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)  # as --save's check before launch allows
     torch.save({"policy": policy.state_dict(), **info}, tmp)
     os.replace(tmp, path)
 

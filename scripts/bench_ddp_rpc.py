@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    distkit.check_path(parser, "--plot", args.plot, "out_file")
     trainer_counts = args.trainers or ([2] if args.quick else [1, 2])
     batch_sizes = args.batch_sizes or ([16, 1024] if args.quick else [16, 256, 4096])
     iters = (50 if args.quick else 200) if args.iters is None else args.iters

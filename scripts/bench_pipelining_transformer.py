@@ -330,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    distkit.check_path(parser, "--plot", args.plot, "out_file")
     schedules = args.schedules or (QUICK_SCHEDULES if args.quick else list(SCHEDULES))
     microbatches = args.microbatches or ([2, 4] if args.quick else [2, 4, 8])
     steps = args.steps or (4 if args.quick else 8)

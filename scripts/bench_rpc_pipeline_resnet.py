@@ -218,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    distkit.check_path(parser, "--plot", args.plot, "out_file")
 
     def pick(value, quick, full):  # a flag the user gave wins over either default
         return value if value is not None else (quick if args.quick else full)

@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    distkit.check_path(parser, "--plot", args.plot, "out_file")
     q = args.quick
     sizes = args.world_sizes or ([2, 5] if q else [2, 3, 5])
     speed_episodes = args.speed_episodes or (8 if q else 30)

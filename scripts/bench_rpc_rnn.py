@@ -256,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    distkit.check_path(parser, "--plot", args.plot, "out_file")
     configs = args.configs or (["default", "medium"] if args.quick else ["default", "medium", "large"])
     iters = (30 if args.quick else 100) if args.iters is None else args.iters
     if iters < 1 or args.warmup < 1 or args.rtt_calls < 1:

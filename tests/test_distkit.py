@@ -34,8 +34,8 @@ def distkit_imports(package: Path) -> dict[str, set[str]]:
     for path in package.glob("*.py"):
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-                found.add(node.module.split(".")[0])
+            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import y / from . import x
+                found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distkit."):
                 found.add(node.module.split(".")[1])
         graph[path.stem] = found

@@ -271,4 +271,4 @@ def test_bad_checkpoint_from_the_command_line_is_one_line_exit_2(tmp_path):
                    timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
-    assert "cannot resume from" in proc.stderr and "no such directory" in proc.stderr
+    assert f"--resume {tmp_path / 'step_9'}: no such directory" in proc.stderr, proc.stderr

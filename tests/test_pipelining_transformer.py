@@ -299,7 +299,8 @@ def test_torchrun_launch_with_v_shaped_schedule():
     (["--lr", "nan"], "--lr must be a positive number, got nan"),
     (["--lr", "inf"], "--lr must be a positive number, got inf"),
     (["--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
-    (["--loss_log", "no/such/dir/losses.jsonl"], "no such directory no/such/dir"),
+    # a missing directory is made; one under a file cannot be (tests/test_paths.py: all paths)
+    (["--loss_log", "pyproject.toml/losses.jsonl"], "pyproject.toml is a file, not a directory"),
 ])
 def test_bad_input_is_rejected_before_launch(argv, message, capsys, monkeypatch):
     err = refused_before_launch(main, argv, capsys, monkeypatch)
