@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, metavar="S",
                         help="seeds the weights and every trainer's batches")
-    distkit.add_launch_args(parser, world_size=4, rpc_timeout=60)
+    distkit.add_launch_args(parser, world_size=4, rpc_timeout=60, hang_timeout=60)
     return parser
 
 

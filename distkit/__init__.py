@@ -3,6 +3,7 @@
 Modules, each importing only those listed before it:
   rendezvous  the job's store and its key prefixes (spawned, torchrun, several machines)
   device      device and backend per rank; backends agreed across machines
+  watchdog    --hang_timeout: a job that stops making progress ends, with every rank's stack
   worker      what runs inside every rank: logging, threads, cleanup, exit
   launch      spawn the ranks here (or run this torchrun rank) and report a failed one
   args        the shared flags and their one-line refusals before launch

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from . import watchdog
 from .device import DeviceError, pick_device, threads_per_process
 from .rendezvous import is_loopback, under_torchrun
 
@@ -88,6 +90,9 @@ def run_rank(fn: Callable, worker: Worker, args: argparse.Namespace, failure_fil
     logging.basicConfig(level=logging.INFO, format=f"[rank {worker.rank}] %(message)s",
                         stream=sys.stdout, force=True)
     torch.set_num_threads(args.threads or threads_per_process(worker.local_world_size))
+    watch = watchdog.start(worker.rank, worker.world_size, getattr(args, "hang_timeout", None),
+                           functools.partial(_report_hang, failure_file),
+                           end_silent=failure_file is None)  # None: under torchrun
     try:
         result = fn(worker, args)
     except DeviceError as e:
@@ -105,8 +110,18 @@ def run_rank(fn: Callable, worker: Worker, args: argparse.Namespace, failure_fil
             Path(failure_file).write_text(f"{time.time()}\n{traceback.format_exc()}")
         cleanup(graceful=False)
         raise
-    cleanup(graceful=True)
+    cleanup(graceful=True)  # watched too: a graceful shutdown waits for every peer
+    if watch:
+        watch.stop()
     return result
+
+
+def _report_hang(failure_file: str | None, message: str) -> None:
+    """The hang report: for the launcher to print (spawned), or printed here (torchrun)."""
+    if failure_file:
+        Path(failure_file).write_text(f"{time.time()}\n{message}")
+    else:
+        print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 _TORCHSCRIPT_OPTIMIZER_WARNING = "`TorchScript` support for functional optimizers is deprecated"

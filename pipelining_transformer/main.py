@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--vocab_size", type=int, default=defaults.vocab_size)
     model.add_argument("--dropout", type=float, default=defaults.dropout)
     add_extra_args(parser)  # --stage_layers, --dp_size, --loss_log, --trace, checkpoints
-    distkit.add_launch_args(parser, world_size=2)
+    distkit.add_launch_args(parser, world_size=2, hang_timeout=300)
     return parser
 
 

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--default_malloc", action="store_true",
                         help="leave glibc's malloc settings alone (page faults then make the "
                              "timings depend on what ran before; see the README)")
-    distkit.add_launch_args(parser, world_size=3, rpc_timeout=120)
+    distkit.add_launch_args(parser, world_size=3, rpc_timeout=120, hang_timeout=300)
     return parser
 
 

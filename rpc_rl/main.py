@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="episodes to play with --play")
     # no --device: the policy (4 -> 128 -> 2) answers one state at a time, which a GPU would
     # only slow down, and the observers' environments run on the CPU anyway
-    distkit.add_launch_args(parser, world_size=2, rpc_timeout=60, device=False)
+    distkit.add_launch_args(parser, world_size=2, rpc_timeout=60, device=False, hang_timeout=60)
     return parser
 
 

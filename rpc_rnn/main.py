@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=2.0,
                         help="SGD learning rate (the tutorial's 0.05 barely moves this model)")
     parser.add_argument("--seed", type=int, default=1, help="seeds the data and the weights")
-    distkit.add_launch_args(parser, world_size=2, rpc_timeout=60)
+    distkit.add_launch_args(parser, world_size=2, rpc_timeout=60, hang_timeout=60)
     return parser
 
 

@@ -124,8 +124,13 @@ class Job:
         return "".join(self.out) + "".join(self.err)
 
     def kill(self) -> None:
+        """End the whole job, also when the launcher is gone already: a test that fails (its
+        guard broken) must not leave the job's workers running into the tests after it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the workers share the launcher's group
+        except ProcessLookupError:
+            pass
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
 
