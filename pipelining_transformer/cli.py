@@ -8,13 +8,14 @@ process starts, what the ranks would fail on later.
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
 import distkit
 from pipelining_transformer import checkpoint
 from pipelining_transformer.model import ModelArgs
-from pipelining_transformer.schedules import SCHEDULES, layer_ranges, num_stages_for, schedule_problem
+from pipelining_transformer.schedules import SCHEDULES, num_stages_for, schedule_problem, stage_bounds
 
 
 def schedule_name(text: str) -> str:
@@ -27,11 +28,28 @@ def schedule_name(text: str) -> str:
     return name
 
 
+def layer_count(text: str) -> float | str:
+    """One --stage_layers value: a count of layers in halves (5, 4.5, 0), or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        n = float(text)
+    except ValueError:
+        n = math.nan
+    if not (n >= 0 and (2 * n) % 1 == 0):  # nan fails too
+        raise argparse.ArgumentTypeError(f"a layer count is a whole or half number (5, 4.5) or "
+                                         f"'auto', got {text!r}")
+    return n
+
+
 def add_extra_args(parser: argparse.ArgumentParser) -> None:
     """The flags of the extras; none of them is on by default."""
-    parser.add_argument("--stage_layers", type=int, nargs="+", default=None, metavar="N",
+    parser.add_argument("--stage_layers", type=layer_count, nargs="+", default=None, metavar="N",
                         help="layers of each stage, in stage order (default: as even as can be); "
-                             "the last stage also computes the output projection and the loss")
+                             "the last stage also computes the output projection and the loss. "
+                             "4.5 3.5 cuts layer 4 between its attention and feed-forward; "
+                             "'auto' measures every piece on the ranks and picks the split whose "
+                             "slowest stage is fastest (balance.py)")
     parser.add_argument("--dp_size", type=int, default=1, metavar="D",
                         help="pipeline replicas (data parallelism): world_size / D ranks each, "
                              "every replica trains on 1/D of each batch")
@@ -83,13 +101,18 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if n_stages > args.n_layers:
         parser.error(f"{args.schedule} {on} makes {n_stages} stages, "
                      f"more than --n_layers {args.n_layers}: each stage needs a layer")
-    if args.stage_layers is not None:
+    if args.stage_layers is not None and "auto" in args.stage_layers:
+        if len(args.stage_layers) > 1:
+            parser.error("--stage_layers auto takes no counts beside it")
+        args.stage_layers = "auto"  # build_rank measures and chooses (balance.py)
+    elif args.stage_layers is not None:
         try:  # the division the ranks will make, made once here
-            layer_ranges(args.n_layers, n_stages, args.stage_layers)
+            stage_bounds(args.n_layers, n_stages, args.stage_layers)
         except ValueError:
-            parser.error(f"--stage_layers {' '.join(map(str, args.stage_layers))}: {args.schedule} "
-                         f"{on} makes {n_stages} stages; give {n_stages} counts of at least 1 "
-                         f"adding up to --n_layers {args.n_layers}")
+            parser.error(f"--stage_layers {' '.join(f'{n:g}' for n in args.stage_layers)}: "
+                         f"{args.schedule} {on} makes {n_stages} stages; give {n_stages} counts "
+                         f"adding up to --n_layers {args.n_layers} (halves allowed), each at least "
+                         f"0.5, the last at least 0")
     problem = schedule_problem(args.schedule, pp_size, args.n_microbatches)
     if problem:
         parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
@@ -132,7 +155,7 @@ def data_settings_from(args: argparse.Namespace) -> dict[str, int]:
 def layout_from(args: argparse.Namespace, device: torch.device) -> str:
     """What fixes each rank's random draws (its stages, micro-batches, device): a resume in
     the same layout gets every rank's random state back, so its dropout masks too."""
-    layers = f" stage_layers={','.join(map(str, args.stage_layers))}" if args.stage_layers else ""
+    layers = f" stage_layers={','.join(f'{n:g}' for n in args.stage_layers)}" if args.stage_layers else ""
     return (f"world_size={args.world_size} dp_size={args.dp_size} "
             f"schedule={args.schedule} split={args.split}{layers} "
             f"n_microbatches={args.n_microbatches} device={device.type}")

@@ -6,6 +6,7 @@
   ``LossLog``      --loss_log PATH: one JSON line per step, the loss at full precision
   ``Checkpoints``  --checkpoint_dir DIR: a torch.distributed.checkpoint every K steps
   ``Trace``        --trace DIR: every forward/backward/wait per rank (``timeline.py``)
+  ``StageCosts``   --stage_layers auto: each stage's predicted cost beside the measured one
   ``Summary``      always: steps, seconds, peak memory and the first and last loss
 
 ``resume`` (--resume) loads a checkpoint before the first step and says which step is next;
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from pipelining_transformer import checkpoint
 from pipelining_transformer.cli import data_settings_from, layout_from
+from distkit.timeline import COMPUTE
 from pipelining_transformer.timeline import PipelineTracer
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,8 @@ class Checkpoints(StepCallback):
 
 class Trace(StepCallback):
     """--trace: each ``forward_backward`` becomes a "step" span, the stages' compute and
-    waits spans inside it; at the end the files and the drawing (``timeline.py``)."""
+    waits spans inside it; at the end the files and the drawing (``timeline.py``). Also on,
+    without files, for ``StageCosts``."""
 
     def __init__(self, args: argparse.Namespace, pp) -> None:
         self.args, self.step = args, 0
@@ -113,7 +116,46 @@ class Trace(StepCallback):
         self.step = step
 
     def on_train_end(self) -> None:
-        self.tracer.finish(self.args.trace, self.args.schedule, self.args.n_microbatches)
+        if self.args.trace:
+            self.tracer.finish(self.args.trace, self.args.schedule, self.args.n_microbatches)
+        else:
+            self.tracer.stop()
+
+
+class StageCosts(StepCallback):
+    """--stage_layers auto: each stage's cost per micro-batch as balance.py predicted it
+    and as the run measured it (forward + backward spans of the steps after the first),
+    logged once at the end, beside each other."""
+
+    def __init__(self, pp, trace: Trace, n_microbatches: int) -> None:
+        self.predicted = dict(zip(range(len(pp.auto_split.predicted_ms)), pp.auto_split.predicted_ms))
+        self.trace, self.m = trace, n_microbatches
+        self.steps = self.first_step_end = 0  # spans before it belong to the first step (warm-up)
+
+    def on_step_end(self, step: int, loss: float | None) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            self.first_step_end = len(self.trace.tracer.recorder.spans)
+
+    def on_train_end(self) -> None:
+        spans = self.trace.tracer.recorder.spans
+        steps = self.steps - 1  # the steps after the first
+        if steps < 1:  # one step only: measure it
+            self.first_step_end, steps = 0, 1
+        measured: dict[int, float] = {}
+        for s in spans[self.first_step_end:]:
+            if s.kind in COMPUTE:
+                measured[s.stage] = measured.get(s.stage, 0.0) + 1e3 * (s.end - s.start) / (steps * self.m)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, measured)  # each stage's replicas: their mean
+        per_stage: dict[int, list[float]] = {}
+        for rank_costs in everyone:
+            for stage, ms in rank_costs.items():
+                per_stage.setdefault(stage, []).append(ms)
+        if dist.get_rank() == 0:
+            log.info("stage costs per micro-batch, forward + backward: " + "; ".join(
+                f"stage {k} predicted {self.predicted[k]:.1f} ms, measured "
+                f"{sum(v) / len(v):.1f} ms" for k, v in sorted(per_stage.items())))
 
 
 class Summary(StepCallback):
@@ -151,8 +193,10 @@ def callbacks_for(args: argparse.Namespace, pp) -> list[StepCallback]:
         callbacks.append(LossLog(args.loss_log))
     if args.checkpoint_dir:
         callbacks.append(Checkpoints(args, pp))
-    if args.trace:
+    if args.trace or pp.auto_split:
         callbacks.append(Trace(args, pp))
+    if pp.auto_split:
+        callbacks.append(StageCosts(pp, callbacks[-1], args.n_microbatches))
     return callbacks
 
 

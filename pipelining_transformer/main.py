@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,13 +41,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
 
 import distkit
-from pipelining_transformer import dp, extras, workarounds
+from pipelining_transformer import balance, dp, extras, workarounds
 from pipelining_transformer.cli import add_extra_args, check_args, model_args_from, schedule_name
 from pipelining_transformer.cli import placement  # noqa: F401  (where each rank runs: distkit's contract)
 from pipelining_transformer.model import (ModelArgs, Transformer, make_optimizer, synthetic_batch,
                                           tokenwise_loss_fn)
-from pipelining_transformer.schedules import (SCHEDULES, is_multi_stage, layer_ranges,
-                                              num_stages_for, stage_indices_for)
+from pipelining_transformer.schedules import (SCHEDULES, is_multi_stage, num_stages_for,
+                                              stage_bounds, stage_indices_for)
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +133,14 @@ def manual_model_split(model: Transformer, stage_index: int, num_stages: int, la
 
 
 def tracer_model_split(model: Transformer, example_input_microbatch: torch.Tensor,
-                       split_layers: list[int], stage_indices: list[int], device: torch.device,
+                       split_points: list[str], stage_indices: list[int], device: torch.device,
                        pp_group: dist.ProcessGroup | None = None) -> list[PipelineStage]:
-    """Option 2: trace ``model``, cut it before each layer in ``split_layers``, build this
-    rank's stages (one, or two for a multi-stage schedule)."""
+    """Option 2: trace ``model``, cut it before each submodule in ``split_points`` (like
+    "layers.4"), build this rank's stages (one, or two for a multi-stage schedule)."""
     pipe = pipeline(
         module=model,
         mb_args=(example_input_microbatch,),
-        split_spec={f"layers.{k}": SplitPoint.BEGINNING for k in split_layers},
+        split_spec={name: SplitPoint.BEGINNING for name in split_points},
     )
     stages = [pipe.build_stage(i, device, pp_group) for i in stage_indices]
     return stages
@@ -167,6 +168,7 @@ class PipelineRank:
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.reports = self.has_last and self.dp_rank == 0  # one rank prints the batch's loss
+        self.auto_split: balance.Split | None = None  # --stage_layers auto: the prediction
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
         """The tutorial's step, by role; the micro-batch losses where the last stage is."""
@@ -211,16 +213,24 @@ def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
         torch.manual_seed(args.seed + 1_000_003 * env.dp_rank)
     num_stages = num_stages_for(args.schedule, env.pp_size)
     stage_indices = stage_indices_for(args.schedule, env.pp_rank, env.pp_size)
-    layers = layer_ranges(model_args.n_layers, num_stages, args.stage_layers)
+    rows = args.batch_size // (env.dp_size * args.n_microbatches)  # one micro-batch's
+    auto = None
+    if args.stage_layers == "auto":  # measured on the ranks, the same answer on each (balance.py)
+        auto = balance.auto_split(model, rows, args.seq_len, num_stages, env.device)
+        args.stage_layers = auto.stage_layers  # what checkpoints record as the layout
+    bounds = stage_bounds(model_args.n_layers, num_stages, args.stage_layers)
+    layers = [range(math.floor(a), math.ceil(b)) for a, b in bounds]  # whole or half
     if args.split == "manual":  # Option 1: manual model splitting
         # every stage but the last cuts its own copy; the last cuts the model itself
         models = [copy.deepcopy(model) for _ in stage_indices[1:]] + [model]
+        for m, i in zip(models, stage_indices):
+            balance.halve(m, bounds[i])  # a layer cut in two (--stage_layers 4.5 3.5)
         stages = [manual_model_split(m, i, num_stages, layers[i], env.device, env.pp_group)
                   for m, i in zip(models, stage_indices)]
     else:  # Option 2: tracer model splitting
-        rows = args.batch_size // (env.dp_size * args.n_microbatches)
         example_input_microbatch = torch.zeros(rows, args.seq_len, dtype=torch.long)
-        stages = tracer_model_split(model, example_input_microbatch, [r.start for r in layers[1:]],
+        split_points = [balance.split_point(start, model_args.n_layers) for start, _ in bounds[1:]]
+        stages = tracer_model_split(model, example_input_microbatch, split_points,
                                     stage_indices, env.device, env.pp_group)
     for stage in stages:
         workarounds.apply(stage)  # torch's pipelining on gloo (workarounds.py)
@@ -228,7 +238,9 @@ def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
             dp.shard_over_dp(stage, env.mesh["dp"])  # before the optimizers are built
     schedule = build_schedule(stages, args.schedule, args.n_microbatches)
     optimizers = [make_optimizer(args.optimizer, s.submod.parameters(), args.lr) for s in stages]
-    return PipelineRank(stages, schedule, optimizers, env)
+    pp = PipelineRank(stages, schedule, optimizers, env)
+    pp.auto_split = auto
+    return pp
 
 
 def train(args: argparse.Namespace, env: DistEnv, callbacks_for=extras.callbacks_for) -> dict:

@@ -2,12 +2,13 @@
 
 Beyond the tutorial, which runs ``ScheduleGPipe`` with one stage per rank: ``--schedule``
 picks any schedule PyTorch exports; multi-stage ones (Interleaved1F1B, LoopedBFS, the
-zero-bubble ones) give each rank two stages, looped or V-shaped. ``layer_ranges`` divides
-the layers among the stages (``--stage_layers``), and ``schedule_problem`` asks PyTorch
+zero-bubble ones) give each rank two stages, looped or V-shaped. ``stage_bounds`` divides
+the layers among the stages (``--stage_layers``, in halves if asked: balance.py), and ``schedule_problem`` asks PyTorch
 itself, before any process starts, whether a schedule can run a micro-batch count.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch.distributed.pipelining as pipelining
@@ -43,21 +44,34 @@ def stage_indices_for(schedule: str, rank: int, world_size: int) -> list[int]:
     return [rank + k * world_size for k in range(STAGES_PER_RANK_MULTI)]
 
 
-def layer_ranges(n_layers: int, num_stages: int, sizes: Sequence[int] | None = None) -> list[range]:
-    """Contiguous blocks of layers, one per stage: ``sizes[s]`` layers for stage s, or (no
-    ``sizes``) as even as can be, earlier stages taking the remainder."""
+def stage_bounds(n_layers: int, num_stages: int, sizes: Sequence[float] | None = None
+                 ) -> list[tuple[float, float]]:
+    """Where each stage starts and ends, in layers: ``sizes[s]`` layers for stage s, or (no
+    ``sizes``) as even as can be, earlier stages taking the remainder.
+
+    A size may end in .5: the cut then falls inside a layer, between its attention and its
+    feed-forward block (balance.py). Every stage gets at least half a layer, but the last
+    may get none (it still computes the norm, the output projection and the loss).
+    """
     if sizes is None:
         if not 1 <= num_stages <= n_layers:
             raise ValueError(f"cannot give {num_stages} stages at least one of {n_layers} layers each")
         per, extra = divmod(n_layers, num_stages)
         sizes = [per + (s < extra) for s in range(num_stages)]
-    elif len(sizes) != num_stages or sum(sizes) != n_layers or min(sizes) < 1:
-        raise ValueError(f"{num_stages} stages need {num_stages} layer counts of at least 1 that "
-                         f"add up to {n_layers}, got {' '.join(map(str, sizes))}")
-    bounds = [0]
+    elif (len(sizes) != num_stages or sum(sizes) != n_layers or any(2 * n % 1 for n in sizes)
+          or min(sizes[:-1], default=1) < 0.5 or sizes[-1] < 0):
+        raise ValueError(f"{num_stages} stages need {num_stages} layer counts (halves allowed, "
+                         f"at least 0.5, the last at least 0) that add up to {n_layers}, "
+                         f"got {' '.join(f'{n:g}' for n in sizes)}")
+    bounds = [0.0]
     for n in sizes:
         bounds.append(bounds[-1] + n)
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return list(zip(bounds, bounds[1:]))
+
+
+def layer_ranges(n_layers: int, num_stages: int, sizes: Sequence[float] | None = None) -> list[range]:
+    """The layers each stage holds, whole or half (see ``stage_bounds``)."""
+    return [range(math.floor(a), math.ceil(b)) for a, b in stage_bounds(n_layers, num_stages, sizes)]
 
 
 class _StubStage:

@@ -126,6 +126,12 @@ class PipelineTracer:
             yield
         _works.clear()
 
+    def stop(self) -> None:
+        """Record no more (the spans so far stay in ``self.recorder``)."""
+        global _recorder
+        _recorder = None
+        _works.clear()
+
     def finish(self, folder: str | Path, schedule: str, n_microbatches: int) -> Path | None:
         """Write this rank's file; gather every rank's spans on rank 0, which writes and draws.
 

@@ -53,10 +53,10 @@ from benchlib import describe_machine, format_table, median, save_plot  # noqa: 
 from pipelining_transformer.main import PipelineRank  # noqa: E402
 from pipelining_transformer.model import (  # noqa: E402
     Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn)
-from pipelining_transformer.schedules import SCHEDULES, schedule_problem  # noqa: E402
+from pipelining_transformer.schedules import SCHEDULES, num_stages_for, schedule_problem  # noqa: E402
 from pipelining_transformer.planned import ideal_bubble  # noqa: E402
 
-HEADER = ["schedule", "m", "step ms", "tokens/s", "local step ms", "local tokens/s", "speed-up",
+HEADER = ["schedule", "split", "m", "step ms", "tokens/s", "local step ms", "local tokens/s", "speed-up",
           "1-thread step ms", "bubble", "ideal bubble", "peak MB/rank", "local peak MB"]
 QUICK_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B"]
 
@@ -104,7 +104,7 @@ def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     clocks.install()
     result = example.run_worker(worker, args)
     return {**result, "step_ends": clocks.step_ends, "schedule": clocks.schedule,
-            "compute": clocks.compute}
+            "compute": clocks.compute, "stage_layers": args.stage_layers}  # auto: as chosen
 
 
 def local_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
@@ -163,9 +163,9 @@ def summarize(schedule: str, m: int, world_size: int, tokens: int, warmup: int,
 
 def plot(path: str | None, rows: list[dict]) -> None:
     def draw(ax):
-        for schedule in dict.fromkeys(r["schedule"] for r in rows):
-            rs = [r for r in rows if r["schedule"] == schedule]
-            line, = ax.plot([r["m"] for r in rs], [r["bubble"] for r in rs], "o-", label=f"{schedule}")
+        for schedule, split in dict.fromkeys((r["schedule"], r["split flag"]) for r in rows):
+            rs = [r for r in rows if (r["schedule"], r["split flag"]) == (schedule, split)]
+            line, = ax.plot([r["m"] for r in rs], [r["bubble"] for r in rs], "o-", label=f"{schedule}, {split}")
             ax.plot([r["m"] for r in rs], [r["ideal bubble"] for r in rs], ":", color=line.get_color())
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batches m")
@@ -177,16 +177,17 @@ def plot(path: str | None, rows: list[dict]) -> None:
     save_plot(path, draw)
 
 
-SWEEP_HEADER = ["schedule", "m", "batch", "tokens/mb", "step ms", "local step ms", "speed-up",
-                "sequential step ms", "vs sequential", "bound", "efficiency", "bubble", "ideal bubble",
-                "bubble/ideal"]
+SWEEP_HEADER = ["schedule", "split", "batch", "tokens/mb", "step ms", "tokens/s", "local step ms",
+                "speed-up", "sequential step ms", "vs sequential", "bound", "efficiency", "bubble",
+                "ideal bubble", "bubble/ideal", "peak MB/rank"]
 # (batch size, sequence length) at m = 8: 16, 64, 128, 256, 512 tokens per micro-batch
 SWEEP_POINTS = [(8, 16), (8, 64), (16, 64), (16, 128), (32, 128)]
 QUICK_SWEEP_POINTS = [(8, 8), (8, 32)]
 
 
 def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tuple[int, ...]) -> list[dict]:
-    """Speed-up and efficiency of GPipe/1F1B against work per micro-batch (see the docstring)."""
+    """Speed-up and efficiency of GPipe/1F1B against work per micro-batch (see the docstring),
+    each split of --stage_layers side by side."""
     schedules = args.schedules or ["GPipe", "1F1B"]
     m = (args.microbatches or [4 if args.quick else 8])[0]
     steps = args.steps or 3
@@ -202,16 +203,17 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
                   "--vocab_size", str(vocab), "--seed", str(args.seed), "--device", "cpu",
                   "--n_microbatches", str(m)]
         exs = []
-        for schedule in schedules:
-            ex = example.build_parser().parse_args([*common, *stage_layers(args), "--world_size", str(p),
-                                                    "--schedule", schedule])
-            example.check_args(parser, ex)  # its one-line errors, before anything runs
-            exs.append(ex)
+        for label, flags in splits(args):
+            for schedule in schedules:
+                ex = example.build_parser().parse_args([*common, *flags, "--world_size", str(p),
+                                                        "--schedule", schedule])
+                example.check_args(parser, ex)  # its one-line errors, before anything runs
+                exs.append((label, ex))
         local = example.build_parser().parse_args([*common, "--world_size", "1", "--threads", str(threads * p)])
         jobs.append((batch, seq, exs, local))
     print(describe_machine(p, threads))
-    print(f"# sweep: {', '.join(schedules)} on {p} ranks, m = {m}, {' '.join(stage_layers(args)) or 'even split'}; "
-          f"model dim {dim}, {layers} layers, "
+    print(f"# sweep: {', '.join(schedules)} on {p} ranks, m = {m}, splits: "
+          f"{', '.join(label for label, _ in splits(args))}; model dim {dim}, {layers} layers, "
           f"{heads} heads, vocabulary {vocab}; {steps} AdamW steps, {args.warmup} untimed")
     print(f"# local: the whole batch in one process, {threads * p} thread(s); sequential: its {m} "
           f"micro-batches one after another, 1 thread; bound on the speed-up over sequential: "
@@ -223,12 +225,14 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
                                     argparse.Namespace(**{**vars(local_args), "threads": 1}))[0]
         local_s = median(step_seconds(local["step_ends"], args.warmup))
         seq_s = median(step_seconds(sequential["step_ends"], args.warmup))
-        for ex in exs:
+        for label, ex in exs:
             ranks = distkit.launch(pipeline_worker, ex)
             row = summarize(ex.schedule, m, p, batch * seq, args.warmup, ranks, local, local)
             step = row["step ms"] / 1e3
-            rows.append({**{k: row[k] for k in ("schedule", "m", "step ms", "local step ms",
-                                                "speed-up", "bubble", "ideal bubble")},
+            rows.append({**{k: row[k] for k in ("schedule", "m", "step ms", "tokens/s", "local step ms",
+                                                "speed-up", "bubble", "ideal bubble", "peak MB/rank",
+                                                "peak MB")},
+                         "split": split_label(label, ranks), "split flag": label,
                          "batch": f"{batch}x{seq}", "tokens/mb": batch * seq // m,
                          "sequential step ms": 1e3 * seq_s, "vs sequential": seq_s / step,
                          "bound": bound, "efficiency": seq_s / step / bound,
@@ -239,18 +243,36 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
         if r["efficiency"] > 1:
             print(f"# MEASUREMENT ERROR: {r['schedule']} at {r['batch']} is {r['vs sequential']:.2f}x "
                   f"the sequential reference, above the bound {bound:.2f}x")
-    for schedule in schedules:
-        wins = [r for r in rows if r["schedule"] == schedule and r["speed-up"] >= 1]
-        print(f"# crossover, {schedule}: " + (
-            f"{wins[0]['tokens/mb']} tokens per micro-batch is the least work measured at which "
-            f"{p} ranks beat one process ({wins[0]['speed-up']:.2f}x)" if wins else
-            "none measured: one process was faster at every point"))
-        heavy = [r for r in rows if r["schedule"] == schedule][-1]
-        print(f"# {schedule} at {heavy['batch']} (the most work): {100 * heavy['efficiency']:.0f} % of "
-              f"the bound (target 85 %), bubble {heavy['bubble']:.3f} against the ideal "
-              f"{heavy['ideal bubble']:.3f} ({100 * (heavy['bubble/ideal'] - 1):+.0f} %, target within 25 %)")
+    heaviest = rows[-1]["batch"]
+    for label, _ in splits(args):
+        for schedule in schedules:
+            rs = [r for r in rows if r["schedule"] == schedule and r["split flag"] == label]
+            wins = [r for r in rs if r["speed-up"] >= 1]
+            print(f"# crossover, {schedule}, {label}: " + (
+                f"{wins[0]['tokens/mb']} tokens per micro-batch is the least work measured at which "
+                f"{p} ranks beat one process ({wins[0]['speed-up']:.2f}x)" if wins else
+                "none measured: one process was faster at every point"))
+            heavy = rs[-1]
+            print(f"# {schedule}, {heavy['split']}, at {heaviest} (the most work): "
+                  f"{100 * heavy['efficiency']:.0f} % of the bound (target 90 %), bubble "
+                  f"{heavy['bubble']:.3f} against the ideal {heavy['ideal bubble']:.3f} "
+                  f"({100 * (heavy['bubble/ideal'] - 1):+.0f} %, target within 25 %), "
+                  f"peak MB per rank {heavy['peak MB/rank']}")
+    compare_splits(rows, "auto", "even")
     plot_sweep(args.plot, rows)
     return rows
+
+
+def compare_splits(rows: list[dict], new: str, old: str) -> None:
+    """One line: is split ``new`` at least as fast as ``old`` at every point and schedule?"""
+    pairs = [(a, b) for a in rows for b in rows if a["split flag"] == new and b["split flag"] == old
+             and (a["schedule"], a["batch"]) == (b["schedule"], b["batch"])]
+    if not pairs:
+        return
+    ratios = [b["step ms"] / a["step ms"] for a, b in pairs]
+    slower = [f"{a['schedule']} at {a['batch']} ({r:.2f}x)" for (a, _), r in zip(pairs, ratios) if r < 1]
+    print(f"# {new} against {old}: {min(ratios):.2f}x to {max(ratios):.2f}x as fast; "
+          + (f"slower at {', '.join(slower)}" if slower else "never slower"))
 
 
 def plot_sweep(path: str | None, rows: list[dict]) -> None:
@@ -262,14 +284,14 @@ def plot_sweep(path: str | None, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for schedule in dict.fromkeys(r["schedule"] for r in rows):
-        rs = [r for r in rows if r["schedule"] == schedule]
+    for schedule, split in dict.fromkeys((r["schedule"], r["split flag"]) for r in rows):
+        rs = [r for r in rows if (r["schedule"], r["split flag"]) == (schedule, split)]
         x = [r["tokens/mb"] for r in rs]
-        a.plot(x, [r["speed-up"] for r in rs], "o-", label=schedule)
-        b.plot(x, [100 * r["efficiency"] for r in rs], "o-", label=schedule)
+        a.plot(x, [r["speed-up"] for r in rs], "o-", label=f"{schedule}, {split}")
+        b.plot(x, [100 * r["efficiency"] for r in rs], "o-", label=f"{schedule}, {split}")
     a.axhline(1, color="0.5", ls=":", label="one process (all cores)")
     a.set_ylabel("speed-up over one process, whole batch, all cores")
-    b.axhline(85, color="0.5", ls=":", label="target 85 %")
+    b.axhline(90, color="0.5", ls=":", label="target 90 %")
     b.axhline(100, color="k", lw=0.8, label=f"bound p m/(m+p-1) = {rows[0]['bound']:.2f}x")
     b.set_ylabel("efficiency: speed-up over sequential / bound (%)")
     b.set_ylim(0, 110)
@@ -286,9 +308,34 @@ def plot_sweep(path: str | None, rows: list[dict]) -> None:
     print(f"# plot written to {path}")
 
 
-def stage_layers(args: argparse.Namespace) -> list[str]:
-    """The example's --stage_layers, for the pipelined runs only (the references are one stage)."""
-    return ["--stage_layers", *map(str, args.stage_layers)] if args.stage_layers else []
+def splits(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """Each split to run, as (label, the example's flags): ``even`` (no flag), ``auto``, or
+    counts (``5,3``; ``5 3`` alone is one split, as the example takes it)."""
+    specs = args.stage_layers or ["even"]
+    if all(_is_number(t) for t in specs):  # --stage_layers 5 3: the example's own form
+        specs = [",".join(specs)]
+    out = []
+    for spec in specs:
+        if spec == "even":
+            out.append(("even", []))
+        else:
+            counts = spec.split(",")
+            out.append((spec.replace(",", " "), ["--stage_layers", *counts]))
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def split_label(label: str, ranks: dict[int, dict]) -> str:
+    """``auto`` with what it chose on the ranks: ``auto: 4.5 3.5``."""
+    chosen = ranks[0].get("stage_layers")
+    return f"auto: {' '.join(f'{n:g}' for n in chosen)}" if label == "auto" and chosen else label
 
 
 def point(text: str) -> tuple[int, int]:
@@ -316,8 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", nargs=4, type=int, default=None, metavar=("DIM", "LAYERS", "HEADS", "VOCAB"),
                    help="model sizes (default: the tutorial's 512 8 8 10000; quick 256 8 8 10000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stage_layers", type=int, nargs="+", default=None, metavar="N",
-                   help="the example's --stage_layers for every pipelined run (default: even)")
+    p.add_argument("--stage_layers", nargs="+", default=None, metavar="SPLIT",
+                   help="the splits to run side by side: even, auto (balance.py), or counts per "
+                        "stage joined by commas (5,3 or 4.5,3.5); '--stage_layers 5 3' alone is "
+                        "the example's form, one split (default: even)")
     p.add_argument("--plot", default=None, help="write measured vs ideal bubble (or the sweep) here (PNG)")
     p.add_argument("--sweep", action="store_true",
                    help="speed-up and efficiency against work per micro-batch (GPipe, 1F1B; m = 8)")
@@ -343,17 +392,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "--dim", str(dim), "--n_layers", str(layers), "--n_heads", str(heads),
               "--vocab_size", str(vocab), "--seed", str(args.seed), "--device", "cpu"]
     jobs, skipped = [], []
-    for schedule in schedules:
-        for m in microbatches:
-            problem = schedule_problem(schedule, args.world_size, m)
-            if problem and len(schedules) * len(microbatches) > 1:
-                skipped.append(f"# skipped {schedule} m={m}: {problem}")
-                continue  # e.g. DualPipeV with fewer micro-batches than stages
-            ex = example.build_parser().parse_args(
-                [*common, *stage_layers(args), "--world_size", str(args.world_size), "--schedule", schedule,
-                 "--n_microbatches", str(m)])
-            example.check_args(parser, ex)  # its one-line errors, before anything runs
-            jobs.append((schedule, m, ex))
+    for label, flags in splits(args):
+        for schedule in schedules:
+            for m in microbatches:
+                problem = schedule_problem(schedule, args.world_size, m)
+                counts = flags[1:] if flags[1:] != ["auto"] else []
+                n_stages = num_stages_for(schedule, args.world_size)
+                if counts and len(counts) != n_stages:
+                    problem = f"{len(counts)} counts for {n_stages} stages"
+                if problem and len(schedules) * len(microbatches) > 1:
+                    skipped.append(f"# skipped {schedule} m={m} ({label}): {problem}")
+                    continue  # e.g. DualPipeV with fewer micro-batches than stages
+                ex = example.build_parser().parse_args(
+                    [*common, *flags, "--world_size", str(args.world_size), "--schedule", schedule,
+                     "--n_microbatches", str(m)])
+                example.check_args(parser, ex)  # its one-line errors, before anything runs
+                jobs.append((label, schedule, m, ex))
     threads = distkit.threads_per_process(args.world_size)
     local_args = example.build_parser().parse_args(
         [*common, "--world_size", "1", "--threads", str(threads * args.world_size)])
@@ -363,7 +417,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"(1-thread: the same with one)")
     print(f"# model dim {dim}, {layers} layers, {heads} heads, vocabulary {vocab}; batches of "
           f"{args.batch_size} x {args.seq_len} tokens; {steps} AdamW steps, {args.warmup} untimed; "
-          f"{' '.join(stage_layers(args)) or 'even split'}")
+          f"splits: {', '.join(label for label, _ in splits(args))}")
     for line in skipped:
         print(line)
     local = distkit.launch(local_worker, local_args)[0]
@@ -371,14 +425,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # at every parallel region, and "the same total threads" says more about the load
     local1 = distkit.launch(local_worker, argparse.Namespace(**{**vars(local_args), "threads": 1}))[0]
     rows = []
-    for schedule, m, ex in jobs:
+    for label, schedule, m, ex in jobs:
         ranks = distkit.launch(pipeline_worker, ex)
-        rows.append(summarize(schedule, m, args.world_size, args.batch_size * args.seq_len,
-                              args.warmup, ranks, local, local1))
+        rows.append({**summarize(schedule, m, args.world_size, args.batch_size * args.seq_len,
+                                 args.warmup, ranks, local, local1),
+                     "split": split_label(label, ranks), "split flag": label})
     print(format_table(HEADER, rows))
     plot(args.plot, rows)
     assert all(math.isfinite(r[k]) for r in rows for k in HEADER
-               if k not in ("schedule", "peak MB/rank"))
+               if k not in ("schedule", "split", "peak MB/rank"))
     return rows
 
 

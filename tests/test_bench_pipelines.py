@@ -63,7 +63,7 @@ def test_bench_pipelining_transformer(capsys, tmp_path):
                            "--seq_len", "4", "--plot", str(plot)], capsys)
     assert out.startswith("# machine:")
     assert [(r["schedule"], r["m"]) for r in rows] == [("GPipe", 2), ("Interleaved1F1B", 2)]
-    assert_finite(rows, [k for k in HEADER if k not in ("schedule", "peak MB/rank")])
+    assert_finite(rows, [k for k in HEADER if k not in ("schedule", "split", "peak MB/rank")])
     for r in rows:
         assert min(r["step ms"], r["local step ms"], r["1-thread step ms"], r["peak MB"]) > 0
         assert 0 <= r["bubble"] < 1
@@ -81,9 +81,16 @@ def test_bench_pipelining_transformer_sweep(capsys, tmp_path):
     plot = tmp_path / "sweep.png"
     rows, out = run_bench("bench_pipelining_transformer",
                           ["--sweep", "--quick", "--schedules", "1F1B", "--points", "4x4",
-                           "--model", "16", "2", "2", "50", "--plot", str(plot)], capsys)
-    assert [(r["schedule"], r["m"], r["batch"], r["tokens/mb"]) for r in rows] == [("1F1B", 4, "4x4", 4)]
-    assert_finite(rows, [k for k in SWEEP_HEADER if k not in ("schedule", "batch")])
+                           "--model", "16", "2", "2", "50", "--stage_layers", "even", "auto",
+                           "--plot", str(plot)], capsys)
+    assert [(r["schedule"], r["split flag"], r["m"], r["batch"], r["tokens/mb"]) for r in rows] == [
+        ("1F1B", "even", 4, "4x4", 4), ("1F1B", "auto", 4, "4x4", 4)]
+    assert_finite(rows, [k for k in SWEEP_HEADER if k not in ("schedule", "split", "batch", "peak MB/rank")])
+    # auto names what it chose, a split of the 2 layers (halves allowed) into 2 stages
+    chosen = [float(n) for n in rows[1]["split"].removeprefix("auto: ").split()]
+    assert sum(chosen) == 2 and len(chosen) == 2 and all(2 * n % 1 == 0 for n in chosen), rows[1]["split"]
+    assert "# auto against even: " in out
+    assert len(rows[0]["peak MB/rank"].split(" / ")) == 2
     r = rows[0]
     assert r["bound"] == pytest.approx(2 * 4 / (4 + 2 - 1))  # p m / (m + p - 1)
     assert r["speed-up"] == pytest.approx(r["local step ms"] / r["step ms"])
@@ -91,7 +98,7 @@ def test_bench_pipelining_transformer_sweep(capsys, tmp_path):
     assert r["efficiency"] == pytest.approx(r["vs sequential"] / r["bound"])
     assert r["ideal bubble"] == pytest.approx(1 / 5)
     assert r["bubble/ideal"] == pytest.approx(r["bubble"] / r["ideal bubble"])
-    assert "# crossover, 1F1B: " in out
+    assert "# crossover, 1F1B, even: " in out and "# crossover, 1F1B, auto: " in out
     assert plot.stat().st_size > 0
 
 

@@ -26,7 +26,8 @@ from conftest import refused_before_launch, run_cli, run_torchrun
 from pipelining_transformer import extras
 from pipelining_transformer.main import build_parser, check_args, init_distributed, main, model_args_from, train
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
-from pipelining_transformer.schedules import SCHEDULES, layer_ranges, stage_indices_for
+from pipelining_transformer.balance import HalfLayer, choose_split
+from pipelining_transformer.schedules import SCHEDULES, layer_ranges, stage_bounds, stage_indices_for
 
 # dropout 0 so that a pipelined run and one process compute the same numbers; SGD so
 # that the step is linear in the gradient (Adam's first step turns rounding noise in
@@ -64,9 +65,50 @@ def test_layers_are_divided_among_stages():
     with pytest.raises(ValueError):
         layer_ranges(3, 4)
     assert layer_ranges(8, 2, [5, 3]) == [range(0, 5), range(5, 8)]  # --stage_layers 5 3
-    for sizes in ([4, 3], [8, 0], [4, 2, 2]):
+    # 4.5 3.5: layer 4 on both stages, its attention on the first, its feed-forward on the second
+    assert stage_bounds(8, 2, [4.5, 3.5]) == [(0, 4.5), (4.5, 8)]
+    assert layer_ranges(8, 2, [4.5, 3.5]) == [range(0, 5), range(4, 8)]
+    assert layer_ranges(8, 2, [8, 0]) == [range(0, 8), range(8, 8)]  # the head alone
+    for sizes in ([4, 3], [0, 8], [4, 2, 2], [4.25, 3.75], [4.5, 4, -0.5]):
         with pytest.raises(ValueError):
             layer_ranges(8, 2, sizes)
+
+
+@pytest.mark.fast
+def test_half_layers_compute_the_layer():
+    # attention then feed-forward is the layer itself, dropout draws included (train mode)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerDecoderLayer(16, 2, batch_first=True)
+    h = torch.randn(3, 5, 16)
+    torch.manual_seed(1)
+    whole = layer(h, h)
+    torch.manual_seed(1)
+    halves = HalfLayer(layer, "feed_forward")(HalfLayer(layer, "attention")(h, h), h)
+    assert torch.equal(whole, halves)
+    owned = [{n for n, _ in HalfLayer(layer, part).named_parameters()}
+             for part in ("attention", "feed_forward")]
+    assert not owned[0] & owned[1] and owned[0] | owned[1] == {n for n, _ in layer.named_parameters()}
+
+
+@pytest.mark.fast
+def test_choose_split_minimises_the_slowest_stage():
+    # per micro-batch on the reference machine (32 x 128 tokens, m = 8, one thread): the
+    # embedding, 8 x (attention, feed-forward), the head with the loss; whole layers give
+    # 1090 / 882 ms (5 3) or 875 / 1097 (4 4); the cut inside layer 4 gives 993 / 975
+    costs = [15.0] + [118.0, 92.5] * 8 + [237.5]
+    split = choose_split(costs, 2)
+    assert split.stage_layers == [4.5, 3.5]
+    assert split.predicted_ms == pytest.approx([15 + 4 * 210.5 + 118, 92.5 + 3 * 210.5 + 237.5])
+    assert split.balance == pytest.approx(sum(split.predicted_ms) / 2 / max(split.predicted_ms))
+    brute = min(max(sum(costs[:1 + c]), sum(costs[1 + c:])) for c in range(1, 17))
+    assert max(split.predicted_ms) == pytest.approx(brute)  # no better cut exists
+    assert choose_split(costs, 1).stage_layers == [8.0]
+    assert sum(choose_split(costs, 4).stage_layers) == 8
+    # a head heavier than everything else: a stage of its own (the last may hold no layer)
+    assert choose_split([1.0] + [1.0, 1.0] * 8 + [100.0], 2).stage_layers == [8.0, 0.0]
+    assert choose_split([1.0] + [5.0, 5.0] * 8 + [0.0], 2).stage_layers == [4.0, 4.0]
+    with pytest.raises(ValueError):
+        choose_split([1.0, 1.0, 1.0, 1.0], 4)  # one layer: two halves and a head for 4 stages
 
 
 def test_stage_placement_follows_each_schedule():
@@ -128,7 +170,7 @@ def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
 def train_recorded(args: argparse.Namespace, env, whole=_copy) -> dict:
     """One run of the example's ``train`` with --loss_log on: what it recorded, printed, logged."""
     said = LogLines()
-    logger = logging.getLogger("pipelining_transformer.main")
+    logger = logging.getLogger("pipelining_transformer")  # main's, and balance's
     logger.addHandler(said)
     recorders = []
 
@@ -146,16 +188,18 @@ def train_recorded(args: argparse.Namespace, env, whole=_copy) -> dict:
         with open(loss_log) as f:
             logged = [json.loads(line) for line in f]
     printed = [line for line in said.lines if re.fullmatch(r"step \d+/\d+  loss \S+", line)]
-    return {**recorders[0].out, "printed": printed, "loss_log": logged}
+    return {**recorders[0].out, "printed": printed, "loss_log": logged, "logged": said.lines}
 
 
 def _equivalence_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     """One step of every (schedule, split) in args.runs, from the same initial weights."""
     env = init_distributed(args.device)
     out = {}
-    for schedule, split in args.runs:
-        run_args = argparse.Namespace(**{**vars(args), "schedule": schedule, "split": split})
-        out[(schedule, split)] = train_recorded(run_args, env)
+    for run in args.runs:  # (schedule, split) or (schedule, split, stage_layers)
+        schedule, split, *layers = run
+        run_args = argparse.Namespace(**{**vars(args), "schedule": schedule, "split": split,
+                                         "stage_layers": layers[0] if layers else args.stage_layers})
+        out[run] = train_recorded(run_args, env)
         dist.barrier(env.pp_group)  # no run's messages can meet the next run's
     dist.destroy_process_group()
     return out
@@ -202,18 +246,41 @@ def test_pipeline_step_equals_single_process(world_size, schedule, split):
     _assert_equals_reference(per_rank, ref)
 
 
+# --stage_layers on the 4-layer tiny model: the owner of each layer's attention and of its
+# feed-forward block, stage by stage (a "." marks a layer of which the stage owns one half)
+UNEVEN = [("GPipe", ("3", "1"), [["0", "1", "2"], ["3"]]),
+          ("1F1B", ("3", "1"), [["0", "1", "2"], ["3"]]),
+          ("GPipe", ("2.5", "1.5"), [["0", "1", "2."], ["2.", "3"]]),
+          ("1F1B", ("1.5", "2.5"), [["0", "1."], ["1.", "2", "3"]]),
+          ("GPipe", ("4", "0"), [["0", "1", "2", "3"], []]),  # the head alone
+          ("GPipe", "auto", None)]
+
+
 @pytest.mark.parametrize("split", SPLITS)
 def test_uneven_stage_layers_step_equals_single_process(split):
-    # --stage_layers 3 1: the split the user asks for, and still the model's step
-    args = tiny_args(2, "--split", split, "--stage_layers", "3", "1")  # 4 layers
-    args.runs = [("GPipe", split), ("1F1B", split)]
+    # the split the user asks for (halves and a head alone too), or the measured one: each
+    # is still the model's step, every parameter on the stage the split puts it on
+    args = tiny_args(2, "--split", split)
+    args.runs = [(schedule, split, layers if layers == "auto" else tuple(float(n) for n in layers))
+                 for schedule, layers, _ in UNEVEN]
     results = distkit.launch(_equivalence_worker, args)
-    for run in args.runs:
+    for run, (_, _, owners) in zip(args.runs, UNEVEN):
         per_rank = [results[rank][run] for rank in (0, 1)]
-        layers = [sorted({n.split(".")[1] for n in r["params"] if n.startswith("layers.")})
-                  for r in per_rank]
-        assert layers == [["0", "1", "2"], ["3"]], layers
         _assert_equals_reference(per_rank, _reference(2))
+        if owners is not None:
+            assert [_layers_owned(r["params"]) for r in per_rank] == owners, run
+    auto = [results[rank][args.runs[-1]]["logged"] for rank in (0, 1)]
+    assert all(any(line.startswith("--stage_layers auto: ") for line in lines) for lines in auto)
+
+
+def _layers_owned(params: dict) -> list[str]:
+    """The layers of which a stage holds parameters, "k." where it holds one half only."""
+    names = [n.split(".") for n in params if n.startswith("layers.")]
+    owned = []
+    for k in sorted({n[1] for n in names}, key=int):
+        parts = {n[2] for n in names if n[1] == k}
+        owned.append(k if {"self_attn", "linear1"} <= parts else f"{k}.")
+    return owned
 
 
 def _assert_equals_reference(per_rank: list[dict], ref: dict) -> None:
@@ -291,8 +358,11 @@ def test_torchrun_launch_with_v_shaped_schedule():
     (["--split", "auto"], "invalid choice: 'auto'"),
     (["--world_size", "0"], "--world_size must be at least 1"),
     (["--stage_layers", "5", "2"], "--stage_layers 5 2: GPipe on 2 ranks makes 2 stages; give 2 "
-                                   "counts of at least 1 adding up to --n_layers 8"),
-    (["--stage_layers", "8", "0"], "give 2 counts of at least 1"),
+                                   "counts adding up to --n_layers 8 (halves allowed), each at "
+                                   "least 0.5, the last at least 0"),
+    (["--stage_layers", "0", "8"], "give 2 counts adding up to --n_layers 8"),
+    (["--stage_layers", "4.25", "3.75"], "a layer count is a whole or half number (5, 4.5) or 'auto'"),
+    (["--stage_layers", "auto", "4"], "--stage_layers auto takes no counts beside it"),
     (["--schedule", "ZBVZeroBubble", "--stage_layers", "5", "3"], "makes 4 stages; give 4 counts"),
     # argparse's float() accepts these; a nan learning rate would train nothing silently
     (["--lr", "0"], "--lr must be a positive number, got 0.0"),

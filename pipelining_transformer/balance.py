@@ -1,0 +1,215 @@
+"""``--stage_layers auto``: cut the model where the measured costs say, not by layer count.
+
+Beyond the tutorial, which gives every stage the same number of layers. The last stage
+also computes the output projection over the whole vocabulary and the loss (on the
+tutorial's model, about 1.1 layers' worth), so equal layer counts leave it the slowest,
+and with 8 layers no split of whole layers is even. So the cut may also fall inside a
+layer, between its attention (self- and cross-attention, ~55 %) and its feed-forward
+block (~45 %): one tensor crosses that cut, as between layers. ``--stage_layers 4.5 3.5``
+says it by hand: stage 0 gets layers 0-3 and layer 4's attention, stage 1 layer 4's
+feed-forward and layers 5-7. A last stage of 0 layers holds the norm, the output
+projection and the loss alone (useful in the multi-stage schedules).
+
+``auto_split`` measures, on every rank with the run's own micro-batch shape and threads,
+forward + backward of each piece (the embedding, each layer's two halves, the head with
+the loss), averages the ranks' figures so that all choose the same, and ``choose_split``
+picks the contiguous split whose slowest stage is the fastest (``main.build_rank`` then
+cuts the model there; ``extras.StageCosts`` prints the prediction beside what the run
+measured).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipelining_transformer.model import Transformer, tokenwise_loss_fn
+
+log = logging.getLogger(__name__)
+
+ATTENTION, FEED_FORWARD = "attention", "feed_forward"
+# the submodules of nn.TransformerDecoderLayer each half owns, under the layer's own names
+# (so a halved stage's parameters keep the full model's names: "layers.4.linear1.weight")
+PARTS = {ATTENTION: ("self_attn", "norm1", "dropout1", "multihead_attn", "norm2", "dropout2"),
+         FEED_FORWARD: ("linear1", "dropout", "linear2", "norm3", "dropout3")}
+
+
+class HalfLayer(nn.Module):
+    """One half of an ``nn.TransformerDecoderLayer`` (post-norm, as the tutorial's).
+
+    Called like the layer, ``half(tgt, memory)``, so ``Transformer.forward`` runs it
+    unchanged; ``attention`` then ``feed_forward`` compute exactly what the layer does,
+    in the same order (and so with the same dropout draws).
+    """
+
+    def __init__(self, layer: nn.TransformerDecoderLayer, part: str) -> None:
+        super().__init__()
+        if layer.norm_first:
+            raise ValueError("HalfLayer follows the post-norm layer (norm_first=False)")
+        self.part = part
+        for name in PARTS[part]:
+            setattr(self, name, getattr(layer, name))
+        self.activation = layer.activation  # a function, or a module without parameters
+
+    def forward(self, tgt: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        x = tgt
+        if self.part == ATTENTION:  # nn.TransformerDecoderLayer's _sa_block and _mha_block
+            sa = self.self_attn(x, x, x, need_weights=False)[0]
+            x = self.norm1(x + self.dropout1(sa))
+            mha = self.multihead_attn(x, memory, memory, need_weights=False)[0]
+            return self.norm2(x + self.dropout2(mha))
+        # its _ff_block
+        ff = self.linear2(self.dropout(self.activation(self.linear1(x))))
+        return self.norm3(x + self.dropout3(ff))
+
+    def extra_repr(self) -> str:
+        return self.part
+
+
+def halve(model: Transformer, bounds: tuple[float, float]) -> None:
+    """Replace the layers a stage owns only half of (``bounds`` in layers, like (4.5, 8))."""
+    start, end = bounds
+    if start % 1:  # the stage starts in the middle of a layer: it owns its feed-forward
+        k = str(int(start))
+        model.layers[k] = HalfLayer(model.layers[k], FEED_FORWARD)
+    if end % 1:  # it ends in the middle of one: it owns its attention
+        k = str(int(end))
+        model.layers[k] = HalfLayer(model.layers[k], ATTENTION)
+
+
+def split_point(bound: float, n_layers: int) -> str:
+    """Where the tracer cuts for a stage that starts at ``bound`` (``SplitPoint.BEGINNING``)."""
+    if bound == n_layers:
+        return "norm"  # a last stage of the head alone
+    if bound % 1:
+        return f"layers.{int(bound)}.linear1"  # the feed-forward block's first call
+    return f"layers.{int(bound)}"
+
+
+@dataclass
+class Split:
+    """A choice: layers per stage (multiples of 0.5) and each stage's predicted cost."""
+
+    stage_layers: list[float]
+    predicted_ms: list[float]  # forward + backward of one micro-batch, per stage
+
+    @property
+    def balance(self) -> float:
+        """Mean stage over slowest stage: the share of p m / (m + p - 1) these stages allow."""
+        return statistics.fmean(self.predicted_ms) / max(self.predicted_ms)
+
+
+def choose_split(piece_ms: Sequence[float], num_stages: int) -> Split:
+    """The contiguous split of the pieces whose slowest stage costs least.
+
+    ``piece_ms``: the embedding, then each layer's attention and feed-forward halves in
+    order, then the head (norm, output projection, loss). Every stage but the last gets at
+    least one half layer; the last may get none (the head alone). Ties go to the earlier
+    cut. Dynamic programming over the cut positions, O(stages x halves^2).
+    """
+    emb, halves, head = piece_ms[0], list(piece_ms[1:-1]), piece_ms[-1]
+    n = len(halves)
+    if n % 2 or num_stages < 1 or num_stages - 1 > n:
+        raise ValueError(f"cannot split {n / 2:g} layers into {num_stages} stages")
+    prefix = [0.0]
+    for c in halves:
+        prefix.append(prefix[-1] + c)
+
+    def cost(s: int, a: int, b: int) -> float:  # stage s holding halves a..b-1
+        return prefix[b] - prefix[a] + (emb if s == 0 else 0.0) + (head if s == num_stages - 1 else 0.0)
+
+    # best[s][b]: (the least slowest-stage cost of stages 0..s covering halves 0..b-1, cut)
+    best = [[(math.inf, -1)] * (n + 1) for _ in range(num_stages)]
+    for b in range(1, n + 1):
+        best[0][b] = (cost(0, 0, b), 0)
+    for s in range(1, num_stages):
+        for b in range(s, n + 1):
+            for a in range(s, b + (s == num_stages - 1)):  # the last stage may be empty
+                c = max(best[s - 1][a][0], cost(s, a, b))
+                if c < best[s][b][0]:
+                    best[s][b] = (c, a)
+    cuts, b = [n], n
+    for s in range(num_stages - 1, 0, -1):
+        b = best[s][b][1]
+        cuts.append(b)
+    cuts = [0, *reversed(cuts)]
+    return Split([(b - a) / 2 for a, b in zip(cuts, cuts[1:])],
+                 [cost(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))])
+
+
+def _seconds(fn, repeats: int, device: torch.device) -> float:
+    """The median of ``repeats`` timed calls, after one untimed (allocations, kernels' first load)."""
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_pieces(model: Transformer, rows: int, seq_len: int, device: torch.device,
+                   repeats: int = 3) -> list[float]:
+    """Forward + backward milliseconds of each piece (``choose_split``'s order) on one
+    micro-batch of ``rows`` x ``seq_len`` tokens, in this process, on ``device``.
+
+    Random inputs and output gradients (the cost does not depend on the values); the
+    model's gradients are cleared after, and the random state is left as it was, so the
+    run draws the same dropout masks as without the measurement.
+    """
+    model = model.to(device)
+    vocab, dim = model.tok_embeddings.num_embeddings, model.tok_embeddings.embedding_dim
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(vocab, (rows, seq_len), generator=gen).to(device)
+    h = torch.randn(rows, seq_len, dim, generator=gen).to(device)
+    grad = torch.randn(rows, seq_len, dim, generator=gen).to(device)
+
+    def through(module: nn.Module) -> None:
+        x = h.detach().requires_grad_()  # as a stage's input: its gradient is sent back
+        module(x, x).backward(grad)
+
+    def head() -> None:
+        x = h.detach().requires_grad_()
+        tokenwise_loss_fn(model.output(model.norm(x)).clone(), tokens).backward()
+
+    pieces = [lambda: model.tok_embeddings(tokens).backward(grad)]
+    for layer in model.layers.values():
+        pieces.append(lambda layer=layer: through(HalfLayer(layer, ATTENTION)))
+        pieces.append(lambda layer=layer: through(HalfLayer(layer, FEED_FORWARD)))
+    pieces.append(head)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        ms = [1e3 * _seconds(piece, repeats, device) for piece in pieces]
+    model.zero_grad(set_to_none=True)
+    return ms
+
+
+def auto_split(model: Transformer, rows: int, seq_len: int, num_stages: int,
+               device: torch.device) -> Split:
+    """Measure the pieces on this rank, average over all ranks, choose (the same on each)."""
+    ms = torch.tensor(measure_pieces(model, rows, seq_len, device), dtype=torch.float64, device=device)
+    dist.all_reduce(ms)  # every rank measures, under the same load as the run; one answer
+    piece_ms = (ms / dist.get_world_size()).tolist()
+    split = choose_split(piece_ms, num_stages)
+    layers = sum(piece_ms[1:-1])
+    log.info(f"--stage_layers auto: {format_layers(split.stage_layers)} (measured per micro-batch, "
+             f"forward + backward: embedding {piece_ms[0]:.1f} ms, a layer {2 * layers / (len(piece_ms) - 2):.1f} ms, "
+             f"head and loss {piece_ms[-1]:.1f} ms); predicted stage costs "
+             f"{' / '.join(f'{c:.1f}' for c in split.predicted_ms)} ms, mean/slowest {split.balance:.3f}")
+    return split
+
+
+def format_layers(stage_layers: Sequence[float]) -> str:
+    """``[4.5, 3.5]`` as ``4.5 3.5``, ``[5.0, 3.0]`` as ``5 3``: what --stage_layers takes."""
+    return " ".join(f"{n:g}" for n in stage_layers)
