@@ -26,9 +26,15 @@ length, the model fixed), against two references in one process:
   - "local": the whole batch at once with all cores: what a user would otherwise run;
     speed-up over it > 1 is the crossover;
   - "sequential": the same m micro-batches one after another with one thread, gradients
-    accumulated: the work a pipeline of p ranks spreads, so its speed-up over this is at
-    most p m / (m + p - 1) (1.78 for p = 2, m = 8); efficiency = speed-up / that bound.
-    python scripts/bench_pipelining_transformer.py --sweep --plot docs/results/pipelining_transformer_sweep.png
+    accumulated: the work a pipeline of p ranks spreads. Its forward + backward seconds
+    over the pipeline's (``forward_backward``, the slowest rank's) is at most
+    p m / (m + p - 1) (1.78 for p = 2, m = 8); efficiency = that ratio / the bound, split
+    into the factors that multiply to it (``limiting_factors``: compute, balance, overlap;
+    the smallest "binds"). The optimizer step is left out of both: the ranks step their
+    halves in parallel, which the bound does not cover (with it in, 1F1B once measured
+    101 % of the bound).
+--stage_layers even 5,3 auto: those splits side by side (auto: balance.py).
+    python scripts/bench_pipelining_transformer.py --sweep --stage_layers even 5,3 auto --plot docs/results/pipelining_transformer_sweep.png
 """
 from __future__ import annotations
 
@@ -129,15 +135,39 @@ def sequential_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     model = Transformer(example.model_args_from(args))
     opt = make_optimizer(args.optimizer, model.parameters(), args.lr)
     m = args.n_microbatches
-    step_ends = []
+    step_ends, forward_backward = [], []
     for step in range(args.steps):
         x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
+        start = time.perf_counter()  # what a pipeline's schedule.step spreads: zero_grad to here
         opt.zero_grad(set_to_none=True)
         for xm, ym in zip(x.chunk(m), y.chunk(m)):
             (tokenwise_loss_fn(model(xm), ym) / m).backward()
+        forward_backward.append(time.perf_counter() - start)
         opt.step()
         step_ends.append(time.perf_counter())
-    return {"step_ends": step_ends}
+    return {"step_ends": step_ends, "forward_backward": forward_backward}
+
+
+def limiting_factors(ranks: dict[int, dict], warmup: int, m: int, sequential_s: float) -> dict:
+    """The pipelined part of a step (``forward_backward``: the m micro-batches' forwards and
+    backwards) against its bound, as three factors whose product is the efficiency:
+
+      compute  the sequential reference's seconds / the ranks' compute seconds added up:
+               below 1 when two processes computing at once run slower than one alone
+      balance  the mean rank's compute / the busiest rank's (1: equal stages)
+      overlap  the busiest rank's compute x (m + p - 1) / m / the schedule's seconds: how
+               close the schedule comes to the ideal pipeline of that rank (bubble, messages)
+
+    The optimizer step is outside: each rank steps its own parameters, in parallel, which
+    p m / (m + p - 1) does not bound. ``binds`` names the smallest factor.
+    """
+    p = len(ranks)
+    schedule = median([max(steps) for steps in zip(*(r["schedule"][warmup:] for r in ranks.values()))])
+    compute = [median(r["compute"][warmup:]) for r in ranks.values()]
+    factors = {"compute": sequential_s / sum(compute),
+               "balance": sum(compute) / p / max(compute),
+               "overlap": max(compute) * (m + p - 1) / m / schedule}
+    return {**factors, "binds": min(factors, key=factors.get), "schedule s": schedule}
 
 
 def step_seconds(step_ends: list[float], warmup: int) -> list[float]:
@@ -178,8 +208,9 @@ def plot(path: str | None, rows: list[dict]) -> None:
 
 
 SWEEP_HEADER = ["schedule", "split", "batch", "tokens/mb", "step ms", "tokens/s", "local step ms",
-                "speed-up", "sequential step ms", "vs sequential", "bound", "efficiency", "bubble",
-                "ideal bubble", "bubble/ideal", "peak MB/rank"]
+                "speed-up", "schedule ms", "sequential ms", "vs sequential", "bound", "efficiency",
+                "compute", "balance", "overlap", "binds", "bubble", "ideal bubble", "bubble/ideal",
+                "peak MB/rank"]
 # (batch size, sequence length) at m = 8: 16, 64, 128, 256, 512 tokens per micro-batch
 SWEEP_POINTS = [(8, 16), (8, 64), (16, 64), (16, 128), (32, 128)]
 QUICK_SWEEP_POINTS = [(8, 8), (8, 32)]
@@ -224,18 +255,20 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
         sequential = distkit.launch(sequential_worker,
                                     argparse.Namespace(**{**vars(local_args), "threads": 1}))[0]
         local_s = median(step_seconds(local["step_ends"], args.warmup))
-        seq_s = median(step_seconds(sequential["step_ends"], args.warmup))
+        seq_fb = median(sequential["forward_backward"][args.warmup:])
         for label, ex in exs:
             ranks = distkit.launch(pipeline_worker, ex)
             row = summarize(ex.schedule, m, p, batch * seq, args.warmup, ranks, local, local)
-            step = row["step ms"] / 1e3
+            limits = limiting_factors(ranks, args.warmup, m, seq_fb)
             rows.append({**{k: row[k] for k in ("schedule", "m", "step ms", "tokens/s", "local step ms",
                                                 "speed-up", "bubble", "ideal bubble", "peak MB/rank",
                                                 "peak MB")},
                          "split": split_label(label, ranks), "split flag": label,
                          "batch": f"{batch}x{seq}", "tokens/mb": batch * seq // m,
-                         "sequential step ms": 1e3 * seq_s, "vs sequential": seq_s / step,
-                         "bound": bound, "efficiency": seq_s / step / bound,
+                         "schedule ms": 1e3 * limits["schedule s"], "sequential ms": 1e3 * seq_fb,
+                         "vs sequential": seq_fb / limits["schedule s"], "bound": bound,
+                         "efficiency": seq_fb / limits["schedule s"] / bound,
+                         **{k: limits[k] for k in ("compute", "balance", "overlap", "binds")},
                          "bubble/ideal": row["bubble"] / row["ideal bubble"],
                          "local s": local_s})
     print(format_table(SWEEP_HEADER, rows))
@@ -254,7 +287,9 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
                 "none measured: one process was faster at every point"))
             heavy = rs[-1]
             print(f"# {schedule}, {heavy['split']}, at {heaviest} (the most work): "
-                  f"{100 * heavy['efficiency']:.0f} % of the bound (target 90 %), bubble "
+                  f"{100 * heavy['efficiency']:.0f} % of the bound (target 90 %; {heavy['binds']} "
+                  f"binds: compute {heavy['compute']:.2f} x balance {heavy['balance']:.2f} x overlap "
+                  f"{heavy['overlap']:.2f}), bubble "
                   f"{heavy['bubble']:.3f} against the ideal {heavy['ideal bubble']:.3f} "
                   f"({100 * (heavy['bubble/ideal'] - 1):+.0f} %, target within 25 %), "
                   f"peak MB per rank {heavy['peak MB/rank']}")

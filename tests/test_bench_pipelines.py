@@ -85,7 +85,7 @@ def test_bench_pipelining_transformer_sweep(capsys, tmp_path):
                            "--plot", str(plot)], capsys)
     assert [(r["schedule"], r["split flag"], r["m"], r["batch"], r["tokens/mb"]) for r in rows] == [
         ("1F1B", "even", 4, "4x4", 4), ("1F1B", "auto", 4, "4x4", 4)]
-    assert_finite(rows, [k for k in SWEEP_HEADER if k not in ("schedule", "split", "batch", "peak MB/rank")])
+    assert_finite(rows, [k for k in SWEEP_HEADER if k not in ("schedule", "split", "batch", "binds", "peak MB/rank")])
     # auto names what it chose, a split of the 2 layers (halves allowed) into 2 stages
     chosen = [float(n) for n in rows[1]["split"].removeprefix("auto: ").split()]
     assert sum(chosen) == 2 and len(chosen) == 2 and all(2 * n % 1 == 0 for n in chosen), rows[1]["split"]
@@ -94,8 +94,13 @@ def test_bench_pipelining_transformer_sweep(capsys, tmp_path):
     r = rows[0]
     assert r["bound"] == pytest.approx(2 * 4 / (4 + 2 - 1))  # p m / (m + p - 1)
     assert r["speed-up"] == pytest.approx(r["local step ms"] / r["step ms"])
-    assert r["vs sequential"] == pytest.approx(r["sequential step ms"] / r["step ms"])
+    assert r["vs sequential"] == pytest.approx(r["sequential ms"] / r["schedule ms"])
     assert r["efficiency"] == pytest.approx(r["vs sequential"] / r["bound"])
+    # the factors multiply to the efficiency, and the smallest is the one named
+    assert r["compute"] * r["balance"] * r["overlap"] == pytest.approx(r["efficiency"])
+    assert 0 < r["balance"] <= 1
+    assert r[r["binds"]] == min(r["compute"], r["balance"], r["overlap"])
+    assert r["schedule ms"] < r["step ms"]  # the step also holds the optimizer's
     assert r["ideal bubble"] == pytest.approx(1 / 5)
     assert r["bubble/ideal"] == pytest.approx(r["bubble"] / r["ideal bubble"])
     assert "# crossover, 1F1B, even: " in out and "# crossover, 1F1B, auto: " in out
