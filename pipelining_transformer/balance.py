@@ -144,10 +144,11 @@ def choose_split(piece_ms: Sequence[float], num_stages: int) -> Split:
                  [cost(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))])
 
 
-def _seconds(fn, repeats: int, device: torch.device) -> float:
-    """The median of ``repeats`` timed calls, after one untimed (allocations, kernels' first load)."""
-    times = []
-    for i in range(repeats + 1):
+def _seconds(fn, repeats: int, device: torch.device, at_least: float = 0.05) -> float:
+    """The median of ``repeats`` timed calls or more, until they add up to ``at_least``
+    seconds (small pieces are noisy: more calls), after one untimed (allocations, first loads)."""
+    times: list[float] = []
+    for i in range(1 + 100 * repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -156,6 +157,8 @@ def _seconds(fn, repeats: int, device: torch.device) -> float:
             torch.cuda.synchronize(device)
         if i:
             times.append(time.perf_counter() - start)
+            if len(times) >= repeats and sum(times) >= at_least:
+                break
     return statistics.median(times)
 
 
