@@ -144,22 +144,29 @@ def choose_split(piece_ms: Sequence[float], num_stages: int) -> Split:
                  [cost(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))])
 
 
-def _seconds(fn, repeats: int, device: torch.device, at_least: float = 0.05) -> float:
-    """The median of ``repeats`` timed calls or more, until they add up to ``at_least``
-    seconds (small pieces are noisy: more calls), after one untimed (allocations, first loads)."""
-    times: list[float] = []
-    for i in range(1 + 100 * repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
-            if len(times) >= repeats and sum(times) >= at_least:
-                break
-    return statistics.median(times)
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _median_seconds(pieces: list, device: torch.device, repeats: int, at_least: float = 0.05,
+                    most: int = 50) -> list[float]:
+    """Each piece's median time over rounds that time every piece once, in turn.
+
+    Round-robin, so that a slow spell of the machine (another process, a throttled core)
+    slows every piece alike and leaves their ratios, which are what the split depends on,
+    intact. One untimed round first (allocations, first loads), then ``repeats`` rounds, or
+    more until the quickest piece adds up to ``at_least`` seconds (small pieces are noisy).
+    """
+    first = [_timed(piece, device) for piece in pieces]
+    rounds = min(most, max(repeats, math.ceil(at_least / max(min(first), 1e-6))))
+    times = [[_timed(piece, device) for piece in pieces] for _ in range(rounds)]
+    return [statistics.median(column) for column in zip(*times)]
 
 
 def measure_pieces(model: Transformer, rows: int, seq_len: int, device: torch.device,
@@ -193,7 +200,7 @@ def measure_pieces(model: Transformer, rows: int, seq_len: int, device: torch.de
     pieces.append(head)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        ms = [1e3 * _seconds(piece, repeats, device) for piece in pieces]
+        ms = [1e3 * t for t in _median_seconds(pieces, device, repeats)]
     model.zero_grad(set_to_none=True)
     return ms
 
