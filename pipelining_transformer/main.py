@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,8 +45,8 @@ from pipelining_transformer.cli import add_extra_args, check_args, model_args_fr
 from pipelining_transformer.cli import placement  # noqa: F401  (where each rank runs: distkit's contract)
 from pipelining_transformer.model import (ModelArgs, Transformer, make_optimizer, synthetic_batch,
                                           tokenwise_loss_fn)
-from pipelining_transformer.schedules import (SCHEDULES, is_multi_stage, num_stages_for,
-                                              stage_bounds, stage_indices_for)
+from pipelining_transformer.schedules import (SCHEDULES, is_multi_stage, layer_ranges,
+                                              num_stages_for, stage_bounds, stage_indices_for)
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +218,7 @@ def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
         auto = balance.auto_split(model, rows, args.seq_len, num_stages, env.device)
         args.stage_layers = auto.stage_layers  # what checkpoints record as the layout
     bounds = stage_bounds(model_args.n_layers, num_stages, args.stage_layers)
-    layers = [range(math.floor(a), math.ceil(b)) for a, b in bounds]  # whole or half
+    layers = layer_ranges(model_args.n_layers, num_stages, args.stage_layers)  # whole or half
     if args.split == "manual":  # Option 1: manual model splitting
         # every stage but the last cuts its own copy; the last cuts the model itself
         models = [copy.deepcopy(model) for _ in stage_indices[1:]] + [model]

@@ -101,7 +101,6 @@ def test_bench_pipelining_transformer_sweep(capsys, tmp_path):
     assert 0 < r["balance"] <= 1 and 0 < r["efficiency"] <= 1
     assert r[r["binds"]] == min(r["balance"], r["overlap"])
     assert r["sequential ms"] / r["compute"] / r["schedule ms"] == pytest.approx(r["efficiency"] * r["bound"])
-    assert r["schedule ms"] < r["step ms"]  # the step also holds the optimizer's
     assert r["ideal bubble"] == pytest.approx(1 / 5)
     assert r["bubble/ideal"] == pytest.approx(r["bubble"] / r["ideal bubble"])
     assert "# crossover, 1F1B, even: " in out and "# crossover, 1F1B, auto: " in out
