@@ -62,6 +62,9 @@ class Watchdog:
         self._hooks = [register_module_forward_hook(self.tick),
                        register_optimizer_step_post_hook(self.tick)]
         self.store.set(self._key(f"pid/{self.rank}"), f"{socket.gethostname()} {os.getpid()}")
+        # the first heartbeat now, not an interval later: a rank frozen within its first
+        # interval would otherwise read as "not started yet" and get start-up's long bound
+        self.store.add(self._key(f"alive/{self.rank}"), 1)
         threading.Thread(target=self._run, name="distkit-watchdog", daemon=True).start()
         return self
 

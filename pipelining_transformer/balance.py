@@ -212,9 +212,9 @@ def auto_split(model: Transformer, rows: int, seq_len: int, num_stages: int,
     dist.all_reduce(ms)  # every rank measures, under the same load as the run; one answer
     piece_ms = (ms / dist.get_world_size()).tolist()
     split = choose_split(piece_ms, num_stages)
-    layers = sum(piece_ms[1:-1])
+    per_layer = sum(piece_ms[1:-1]) / ((len(piece_ms) - 2) / 2)  # two halves a layer
     log.info(f"--stage_layers auto: {format_layers(split.stage_layers)} (measured per micro-batch, "
-             f"forward + backward: embedding {piece_ms[0]:.1f} ms, a layer {2 * layers / (len(piece_ms) - 2):.1f} ms, "
+             f"forward + backward: embedding {piece_ms[0]:.1f} ms, a layer {per_layer:.1f} ms, "
              f"head and loss {piece_ms[-1]:.1f} ms); predicted stage costs "
              f"{' / '.join(f'{c:.1f}' for c in split.predicted_ms)} ms, mean/slowest {split.balance:.3f}")
     return split

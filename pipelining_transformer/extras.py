@@ -25,9 +25,9 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from distkit.timeline import COMPUTE
 from pipelining_transformer import checkpoint
 from pipelining_transformer.cli import data_settings_from, layout_from
-from distkit.timeline import COMPUTE
 from pipelining_transformer.timeline import PipelineTracer
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class StageCosts(StepCallback):
     logged once at the end, beside each other."""
 
     def __init__(self, pp, trace: Trace, n_microbatches: int) -> None:
-        self.predicted = dict(zip(range(len(pp.auto_split.predicted_ms)), pp.auto_split.predicted_ms))
+        self.predicted = dict(enumerate(pp.auto_split.predicted_ms))  # by stage index
         self.trace, self.m = trace, n_microbatches
         self.steps = self.first_step_end = 0  # spans before it belong to the first step (warm-up)
 

@@ -3,8 +3,9 @@
 Beyond the tutorial, which runs ``ScheduleGPipe`` with one stage per rank: ``--schedule``
 picks any schedule PyTorch exports; multi-stage ones (Interleaved1F1B, LoopedBFS, the
 zero-bubble ones) give each rank two stages, looped or V-shaped. ``stage_bounds`` divides
-the layers among the stages (``--stage_layers``, in halves if asked: balance.py), and ``schedule_problem`` asks PyTorch
-itself, before any process starts, whether a schedule can run a micro-batch count.
+the layers among the stages (``--stage_layers``, in halves if asked: balance.py), and
+``schedule_problem`` asks PyTorch itself, before any process starts, whether a schedule
+can run a micro-batch count.
 """
 from __future__ import annotations
 
