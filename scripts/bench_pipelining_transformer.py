@@ -167,12 +167,22 @@ def limiting_factors(ranks: dict[int, dict], warmup: int, m: int, sequential_s: 
     """
     p = len(ranks)
     schedule = median([max(steps) for steps in zip(*(r["schedule"][warmup:] for r in ranks.values()))])
-    compute = [median(r["compute"][warmup:]) for r in ranks.values()]
-    factors = {"balance": sum(compute) / p / max(compute),
+    compute = rank_compute(ranks, warmup)
+    factors = {"balance": balance(compute),
                "overlap": max(compute) * (m + p - 1) / m / schedule}
     return {**factors, "binds": min(factors, key=factors.get), "schedule s": schedule,
             "compute": sequential_s / sum(compute),
             "efficiency": sum(compute) * (m + p - 1) / (p * m * schedule)}
+
+
+def rank_compute(ranks: dict[int, dict], warmup: int) -> list[float]:
+    """Each rank's compute seconds per step (median after the warm-up)."""
+    return [median(r["compute"][warmup:]) for r in ranks.values()]
+
+
+def balance(compute: list[float]) -> float:
+    """The mean rank's compute / the busiest rank's (1: equal stages)."""
+    return sum(compute) / len(compute) / max(compute)
 
 
 def step_seconds(step_ends: list[float], warmup: int) -> list[float]:
@@ -186,13 +196,13 @@ def summarize(schedule: str, m: int, world_size: int, tokens: int, warmup: int,
     bubbles = [1 - median([c / s for c, s in zip(r["compute"][warmup:], r["schedule"][warmup:])])
                for r in ranks.values()]
     peaks = [ranks[k]["peak_mb"] for k in sorted(ranks)]
-    compute = [median(r["compute"][warmup:]) for r in ranks.values()]
+    compute = rank_compute(ranks, warmup)
     return {"schedule": schedule, "m": m, "step ms": 1e3 * step, "tokens/s": tokens / step,
             "local step ms": 1e3 * local_step, "local tokens/s": tokens / local_step,
             "speed-up": local_step / step,
             "1-thread step ms": 1e3 * median(step_seconds(local1["step_ends"], warmup)),
             "bubble": sum(bubbles) / len(bubbles),
-            "balance": sum(compute) / len(compute) / max(compute),  # mean rank's compute / busiest's
+            "balance": balance(compute),
             "ideal bubble": ideal_bubble(schedule, world_size, m),
             "peak MB/rank": " / ".join(f"{p:.0f}" for p in peaks), "peak MB": max(peaks),
             "local peak MB": local["peak_mb"]}
