@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 WORKERS = ["worker1", "worker2"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = distkit.ArgumentParser(description="Pipeline-parallel ResNet50 over RPC")
+def add_batch_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the pipeline itself, shared with pipelining.py (the same meaning in both)."""
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8], metavar="N",
                         help="numbers of micro-batches per batch to train and time, one run each")
     parser.add_argument("--batch_size", type=int, default=16, help="images per batch")
@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--default_malloc", action="store_true",
                         help="leave glibc's malloc settings alone (page faults then make the "
                              "timings depend on what ran before; see the README)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = distkit.ArgumentParser(description="Pipeline-parallel ResNet50 over RPC")
+    add_batch_args(parser)
     distkit.add_launch_args(parser, world_size=3, rpc_timeout=120, hang_timeout=300)
     return parser
 
@@ -85,8 +90,8 @@ def final_feature_size(image_size: int) -> int:
     return feature_size(image_size, 5)
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    distkit.check_launch_args(parser, args, min_world_size=3, max_world_size=3)
+def check_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One line and exit 2 for a bad value of ``add_batch_args``'s flags."""
     for name in ("batch_size", "image_size", "num_batches", "num_classes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -107,6 +112,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"give BatchNorm {in_layer3} value(s) per channel in layer3 and {in_layer4} in "
                      f"layer4 (training needs 4 and 2); use a larger --image_size or fewer splits")
     distkit.check_path(parser, "--trace", args.trace, "out_dir")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    distkit.check_launch_args(parser, args, min_world_size=3, max_world_size=3)
+    check_batch_args(parser, args)
     distkit.check_placements(parser, args, placement)
 
 

@@ -66,11 +66,28 @@ def cores() -> frozenset[int]:
         return frozenset(range(os.cpu_count() or 1))
 
 
+def peak_memory_mb() -> float:
+    """This process's peak resident memory so far, MB.
+
+    Linux's VmHWM: ``ru_maxrss`` would carry over the launcher's peak, since a spawned
+    process is forked from it before it executes Python anew (execve keeps ru_maxrss).
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, bytes on macOS
+
+
 def process_stats() -> dict:
-    """This process's CPU seconds (all threads) and page faults so far, and where it runs."""
+    """This process's CPU seconds (all threads), page faults and peak memory (MB) so far,
+    and where it runs."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"cpu": time.process_time(), "faults": usage.ru_minflt + usage.ru_majflt,
-            "host": socket.gethostname(), "cores": sorted(cores())}
+            "peak_mb": peak_memory_mb(), "host": socket.gethostname(), "cores": sorted(cores())}
 
 
 def batch_floor(before: list[dict], after: list[dict]) -> tuple[float, float, int]:
@@ -177,6 +194,7 @@ class Meter:
         self.floor_times: list[float] = []
         self.faults: list[int] = []
         self.cpu_times = [0.0, 0.0]
+        self.peak_mb: list[float] = []
 
     @contextlib.contextmanager
     def __call__(self, model: nn.Module, i: int) -> Iterator[None]:
@@ -197,6 +215,7 @@ class Meter:
         after = all_stats(model)
         tok = clock()
         self.windows.append((tik, tok))
+        self.peak_mb = [a["peak_mb"] for a in after]  # master, shard 1, shard 2
         if timed:
             self.batch_times.append(tok - tik)
             cpu, floor, n_faults = batch_floor(before, after)
@@ -212,21 +231,23 @@ class Meter:
                   "batch_times": self.batch_times, "cpu_times": self.cpu_times,
                   # measured CPU work (all three processes) and the wall time it needs at least
                   "batch_cpu": self.batch_cpu, "floor": sum(self.floor_times), "faults": self.faults,
-                  "windows": self.windows[self.warmup:],
+                  "peak_mb": self.peak_mb, "windows": self.windows[self.warmup:],
                   "spans": self.tracer.spans(num_split) if self.tracer else []} | self.first
         if self.states:
             result["after"] = _on_owner(self.model, _state_copy)
         return result
 
 
-def print_report(args: argparse.Namespace, runs: list[dict]) -> None:
-    """The table ``main`` prints: every run's speed-up beside its bounds, and its losses."""
-    print(f"devices: worker1 {runs[0]['devices'][0]}, worker2 {runs[0]['devices'][1]}; batches of "
+def print_report(args: argparse.Namespace, runs: list[dict],
+                 holders: tuple[str, str] = ("worker1", "worker2")) -> None:
+    """The table ``main`` prints: every run's speed-up beside its bounds, and its losses.
+    ``holders``: who holds shard 1 and shard 2 (pipelining.py: rank 0 and rank 1)."""
+    print(f"devices: {holders[0]} {runs[0]['devices'][0]}, {holders[1]} {runs[0]['devices'][1]}; batches of "
           f"{args.batch_size} x 3 x {args.image_size} x {args.image_size}; {args.num_batches} timed "
           f"after {args.warmup} warm-up")
     # speed-up over the fewest splits; bound: the machine's (the base's CPU work over the
     # cores); 2m/(m+1): two equal serial stages, which these shards are not (docs/);
-    # busy = CPU seconds of all three processes / wall seconds (at most the cores);
+    # busy = CPU seconds of every process / wall seconds (at most the cores);
     # work = CPU seconds / the base's; faults: page faults per batch, all processes
     print("splits  time (s)  speed-up  bound  2m/(m+1)  busy  work  shard CPU (s)  faults  "
           "loss of each batch")

@@ -200,7 +200,8 @@ class Tracer:
         return spans
 
 
-def write_trace(directory: str, runs: list[dict]) -> list[Path]:
+def write_trace(directory: str, runs: list[dict],
+                roles: str = "rank 0 master, rank 1 shard 1, rank 2 shard 2") -> list[Path]:
     """splits_N.json per split value (all ranks, one clock) and timeline.png (last timed batch)."""
     paths, panels = [], []
     for run in runs:
@@ -210,7 +211,7 @@ def write_trace(directory: str, runs: list[dict]) -> list[Path]:
         start, end = run["windows"][-1]
         last = [s for s in spans if start <= s.start <= end]
         panels.append((f"{m} split{'s' * (m > 1)}: last timed batch, {end - start:.2f} s "
-                       f"(rank 0 master, rank 1 shard 1, rank 2 shard 2)", last))
+                       f"({roles})", last))
     paths.append(plot_timelines(Path(directory) / "timeline.png", panels,
                                 title="rpc_pipeline_resnet: measured timeline per rank"))
     return paths

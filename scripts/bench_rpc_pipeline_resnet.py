@@ -1,37 +1,50 @@
-"""Benchmark rpc_pipeline_resnet: where pipelining pays on this machine, against true bounds.
+"""Benchmark rpc_pipeline_resnet's two engines: where pipelining pays, against true bounds.
 
     python scripts/bench_rpc_pipeline_resnet.py --quick                       # seconds: a smoke run
     python scripts/bench_rpc_pipeline_resnet.py --plot docs/results/rpc_pipeline_resnet.png
-                                    # 8 min on the loaded 2-core machine; idle under 5 (estimate)
+                                    # both engines, GPipe and 1F1B: about 15 min on 2 cores
 
-Configurations: a sweep over work per micro-batch (``--sizes``: image sizes at ``--sweep_splits``
-micro-batches) and a split table (``--splits`` at ``--table_size``), batches of ``--batch_size``.
-For each one:
+Engines (``--engine``): ``rpc``, the tutorial's (main.py: a master and two shard workers,
+three processes), and ``pipelining``, the same model with torch.distributed.pipelining
+(pipelining.py: two ranks, one stage each), once per ``--schedules`` entry (GPipe, 1F1B; 1F1B
+needs two micro-batches, so its speed-up is over GPipe's 1-split run, which with one
+micro-batch runs the same order). Configurations: a sweep over work per micro-batch
+(``--sizes``: image sizes at ``--sweep_splits`` micro-batches) and a split table (``--splits``
+at ``--table_size``), batches of ``--batch_size``. For each one and each engine:
 
-  - s/batch   median wall seconds of one training batch of the example's own job
-              (``rpc_pipeline_resnet.main.run_master``: master + two shard workers), after a
-              warm-up batch; CPU work W (CPU seconds of all three processes) over the same batch
+  - s/batch   median wall seconds of one training batch of the example's own job (its
+              ``run_worker`` and training loop), after a warm-up batch; CPU work W (CPU
+              seconds of all its processes) over the same batch
   - seq s     reference for the bound: the same micro-batches one after another through the
               same two shards in one process with one thread (forward, loss, backward, SGD);
               its CPU seconds W_seq are the arithmetic the batch needs
   - user s    what a user would otherwise run: one process, all cores, the whole batch at once
   - floor     the machine's limit, W_seq / cores: no schedule can finish the batch's arithmetic
               sooner on this machine (true while the pipeline needs at least W_seq of CPU:
-              ``work`` = W / W_seq shows it)
-  - x user, x seq   speed-ups over the two references; each is printed beside its bound,
-              (reference seconds) / floor; one above its bound is flagged as an ERROR
-  - 2m/(m+1)  the classic bound of two equal, strictly serial stages; not a bound here (a
-              shard back-propagates several micro-batches at once), printed for comparison
-  - eff.      floor / s/batch = (x seq) / (its bound): how close the pipeline gets to the machine
+              ``work`` = W / W_seq shows it); the same floor for every engine
+  - x 1 split, bound 1   speed-up over the same engine's 1-split run of the same images, and
+              its bound, (1-split seconds) / floor
+  - x user, x seq   speed-ups over the two references, each beside its bound, (reference
+              seconds) / floor; a speed-up above its bound is flagged as an ERROR
+  - eff.      floor / s/batch: the share of the machine's bound reached (= each speed-up
+              over its bound)
+  - vs rpc    the rpc engine's s/batch over this one's (pipelining rows): above 1 is faster
+  - procs, CPU s/shard, peak MB   processes of the job; CPU seconds per batch of the process
+              holding each shard; each process's peak resident memory (VmHWM) after the
+              run (configurations run from the smallest images up, so a row shows its own
+              peak unless an earlier, smaller configuration needed more)
+  - 2m/(m+1)  the classic bound of two equal, strictly serial stages; not a bound here (the
+              shards differ), printed for comparison
   - busy      W / s/batch, cores in use on average
 
-Every model (pipeline and references) is built from the same seed; every process keeps its
+Every model (pipelines and references) is built from the same seed; every process keeps its
 freed memory (``steady_malloc``), so no measurement depends on what ran before it.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import math
 import sys
 import time
@@ -44,12 +57,19 @@ import torch.optim as optim
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 import rpc_pipeline_resnet.main as example  # noqa: E402
+import rpc_pipeline_resnet.pipelining as pp_example  # noqa: E402
 from benchlib import describe_machine, format_table, median  # noqa: E402
+from pipelining_transformer.schedules import schedule_problem  # noqa: E402
 from rpc_pipeline_resnet.measure import classic_bound, cores, steady_malloc  # noqa: E402
 from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2  # noqa: E402
 
-HEADER = ["image", "m", "GFLOP/mb", "s/batch", "floor", "user s", "x user", "bound",
-          "seq s", "x seq", "bound ", "2m/(m+1)", "eff.", "busy", "work", "flag"]
+HEADER = ["engine", "procs", "image", "m", "GFLOP/mb", "s/batch", "floor", "x 1 split", "bound 1",
+          "eff.", "vs rpc", "user s", "x user", "bound", "seq s", "x seq", "bound ", "2m/(m+1)",
+          "busy", "work", "CPU s/shard", "peak MB", "flag"]
+NUMERIC = [h for h in HEADER if h not in ("engine", "procs", "CPU s/shard", "peak MB", "flag",
+                                          "x 1 split", "bound 1", "vs rpc")]
+ENGINES = {"rpc": ("rpc_pipeline_resnet.main", "run_master"),
+           "pipelining": ("rpc_pipeline_resnet.pipelining", "run_pipeline")}
 
 
 class Here:
@@ -110,38 +130,75 @@ def gflop_per_image(size: int, num_classes: int) -> float:
     return 3 * sum(flops) / 2 / 1e9
 
 
-def bench_worker(configs: list[tuple[int, int]], worker: distkit.Worker, args: argparse.Namespace):
-    """Every rank: the example's ``run_worker``; the master's i-th run is configuration i
-    (its ``run_master``, measured by its ``Meter``, with configuration i's image size;
-    ``--splits`` already lists the configurations' micro-batch counts in order)."""
-    run_master = example.run_master
+def bench_worker(engine: str, configs: list[tuple[int, int]], worker: distkit.Worker,
+                 args: argparse.Namespace):
+    """Every rank: the engine's own ``run_worker``; its i-th run is configuration i (its
+    training loop, measured by its meter, with configuration i's image size; ``--splits``
+    already lists the configurations' micro-batch counts in order)."""
+    module_name, loop_name = ENGINES[engine]
+    module = importlib.import_module(module_name)
+    loop = getattr(module, loop_name)
     runs = iter(configs)
 
-    def run_config(num_split: int, args: argparse.Namespace, on_batch) -> list[float]:
+    def run_config(num_split: int, args: argparse.Namespace, *rest, **kwargs) -> list[float]:
         size, m = next(runs)
         assert m == num_split, (m, num_split)
-        return run_master(m, argparse.Namespace(**{**vars(args), "image_size": size}),
-                          on_batch=on_batch)
+        return loop(m, argparse.Namespace(**{**vars(args), "image_size": size}), *rest, **kwargs)
 
-    example.run_master = run_config
-    return example.run_worker(worker, args)
+    setattr(module, loop_name, run_config)
+    return module.run_worker(worker, args)
 
 
-def summarize(configs, runs, refs, users, gflops, batch_size: int) -> list[dict]:
+def summarize(jobs: list[tuple[str, int, list, list]], refs: dict, users: dict, gflops: dict,
+              args: argparse.Namespace) -> list[dict]:
+    """One row per (job, configuration); ``jobs``: (engine label, processes, configs, runs)."""
     rows = []
     n_cores = len(cores())
-    for (size, m), run, ref in zip(configs, runs, refs):
-        t = median(run["batch_times"])
-        w = median(run["batch_cpu"])
-        user, floor = users[size]["wall"], ref["cpu"] / n_cores
-        row = {"image": size, "m": m, "GFLOP/mb": gflops[size] * math.ceil(batch_size / m),
-               "s/batch": t, "floor": floor, "user s": user, "x user": user / t,
-               "bound": user / floor, "seq s": ref["wall"], "x seq": ref["wall"] / t,
-               "bound ": ref["wall"] / floor, "2m/(m+1)": classic_bound(m), "eff.": floor / t,
-               "busy": w / t, "work": w / ref["cpu"], "losses": run["losses"]}
-        row["flag"] = "ERROR: above bound" if row["x seq"] > row["bound "] else ""
-        rows.append(row)
+    times = {(label, c): median(run["batch_times"]) for label, _, cfgs, runs in jobs
+             for c, run in zip(cfgs, runs)}
+    for label, procs, cfgs, runs in jobs:
+        for (size, m), run in zip(cfgs, runs):
+            ref = refs[size, m]
+            t = times[label, (size, m)]
+            w = median(run["batch_cpu"])
+            user, floor = users[size]["wall"], ref["cpu"] / n_cores
+            # 1F1B cannot run one micro-batch: its base is GPipe's (one micro-batch, the same order)
+            base = times.get((label, (size, 1)), times.get(("pp GPipe", (size, 1))))
+            rpc = times.get(("rpc", (size, m)))
+            row = {"engine": label, "procs": procs, "image": size, "m": m,
+                   "GFLOP/mb": gflops[size] * math.ceil(args.batch_size / m), "s/batch": t,
+                   "floor": floor, "user s": user, "x user": user / t, "bound": user / floor,
+                   "seq s": ref["wall"], "x seq": ref["wall"] / t, "bound ": ref["wall"] / floor,
+                   "2m/(m+1)": classic_bound(m), "eff.": floor / t, "busy": w / t,
+                   "work": w / ref["cpu"], "losses": run["losses"],
+                   "CPU s/shard": "/".join(f"{c / args.num_batches:.2f}" for c in run["cpu_times"][-2:]),
+                   "peak MB": "/".join(f"{p:.0f}" for p in run["peak_mb"])}
+            if base is not None:
+                row["x 1 split"], row["bound 1"] = base / t, base / floor
+            if rpc is not None and label != "rpc":
+                row["vs rpc"] = rpc / t
+            flags = [f"ERROR: {k} above its bound" for k, b in
+                     (("x user", "bound"), ("x seq", "bound "), ("x 1 split", "bound 1"))
+                     if k in row and row[k] > row[b]]
+            row["flag"] = " ".join(flags)
+            rows.append(row)
     return rows
+
+
+def targets(rows: list[dict], m: int) -> list[str]:
+    """The issue's two targets, read off the rows: every pipelining schedule at ``m``
+    micro-batches reaches 90 % of the machine's bound, and is not slower than rpc anywhere."""
+    lines = []
+    for r in rows:
+        if r["engine"] != "rpc" and r["m"] == m:
+            lines.append(f"# {r['engine']} {r['image']}px m={m}: {100 * r['eff.']:.1f} % of the "
+                         f"machine's bound ({'met' if r['eff.'] >= 0.9 else 'MISSED'}: >= 90 %)")
+    slower = [f"{r['engine']} {r['image']}px m={r['m']} ({r['vs rpc']:.2f}x)" for r in rows
+              if "vs rpc" in r and r["vs rpc"] < 1]
+    if any("vs rpc" in r for r in rows):
+        lines.append("# pipelining not slower than rpc at every point: "
+                     + ("met" if not slower else "MISSED at " + ", ".join(slower)))
+    return lines
 
 
 def plot(path: str | None, rows: list[dict], sweep_m: int, table_size: int) -> None:
@@ -152,39 +209,45 @@ def plot(path: str | None, rows: list[dict], sweep_m: int, table_size: int) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.5))
-    sweep = sorted((r for r in rows if r["m"] == sweep_m), key=lambda r: r["GFLOP/mb"])
-    x = [r["GFLOP/mb"] for r in sweep]
-    ax1.plot(x, [r["x user"] for r in sweep], "o-", label="speed-up over 1 process, all cores")
-    ax1.plot(x, [r["bound"] for r in sweep], "s--", label="its bound (user s / floor)")
-    ax1.axhline(1, color="0.5", lw=0.8)
-    ax1.set_title(f"{sweep_m} micro-batches: against what a user would run", fontsize=9)
-    ax1.set_ylabel("speed-up")
-    ax2.plot(x, [100 * r["eff."] for r in sweep], "o-", label="efficiency (floor / s per batch)")
-    ax2.axhline(85, color="tab:red", ls=":", label="target 85 %")
-    ax2.set_ylim(0, 105)
-    ax2.set_title(f"{sweep_m} micro-batches: against the machine bound", fontsize=9)
-    ax2.set_ylabel("% of the bound")
-    for ax, r_key in ((ax1, "x user"), (ax2, "eff.")):
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    colors = dict(zip(engines, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    for engine in engines:
+        c = colors[engine]
+        sweep = sorted((r for r in rows if r["engine"] == engine and r["m"] == sweep_m),
+                       key=lambda r: r["GFLOP/mb"])
+        ax1.plot([r["GFLOP/mb"] for r in sweep], [100 * r["eff."] for r in sweep], "o-", color=c,
+                 label=engine)
         for r in sweep:
-            ax.annotate(f"{r['image']}px", (r["GFLOP/mb"], r[r_key] * (100 if r_key == "eff." else 1)),
-                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
-        ax.set_xscale("log")
-        ax.set_xlabel("work per micro-batch (GFLOP, forward + backward)")
-        ax.legend(fontsize=7)
-    table = sorted((r for r in rows if r["image"] == table_size), key=lambda r: r["m"])
-    ms = [r["m"] for r in table]
-    ax3.plot(ms, [r["x seq"] for r in table], "o-", label="speed-up over the same micro-batches, 1 thread")
-    ax3.plot(ms, [r["bound "] for r in table], "s--", label="machine bound (seq s / floor)")
-    ax3.plot(ms, [r["2m/(m+1)"] for r in table], "^:", label="2m/(m+1) (serial stages)")
-    ax3.plot(ms, [r["x user"] for r in table], "d-", label="speed-up over 1 process, all cores")
-    ax3.set_xscale("log", base=2)
-    ax3.set_xticks(ms, [str(m) for m in ms])
+            ax1.annotate(f"{r['image']}px", (r["GFLOP/mb"], 100 * r["eff."]), textcoords="offset points",
+                         xytext=(0, 6), ha="center", fontsize=6, color=c)
+        table = sorted((r for r in rows if r["engine"] == engine and r["image"] == table_size
+                        and "x 1 split" in r), key=lambda r: r["m"])
+        ms = [r["m"] for r in table]
+        ax2.plot(ms, [r["x 1 split"] for r in table], "o-", color=c, label=f"{engine}: speed-up")
+        ax2.plot(ms, [r["bound 1"] for r in table], "s--", color=c, alpha=0.6, label=f"{engine}: its bound")
+        every = sorted((r for r in rows if r["engine"] == engine and r["image"] == table_size),
+                       key=lambda r: r["m"])
+        ax3.plot([r["m"] for r in every], [r["s/batch"] for r in every], "o-", color=c, label=engine)
+    ax1.axhline(90, color="tab:red", ls=":", label="target 90 %")
+    ax1.set_ylim(0, 105)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("work per micro-batch (GFLOP, forward + backward)")
+    ax1.set_ylabel("% of the machine's bound (floor / s per batch)")
+    ax1.set_title(f"{sweep_m} micro-batches: share of the bound reached", fontsize=9)
+    for ax in (ax2, ax3):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"micro-batches ({table_size}x{table_size} images)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_ylabel("speed-up over 1 split")
+    ax2.set_title("speed-up over 1 split beside its bound (1-split s / floor)", fontsize=9)
     ax3.set_ylim(bottom=0)
-    ax3.set_xlabel(f"micro-batches ({table_size}x{table_size} images)")
-    ax3.set_title("speed-ups beside their bounds", fontsize=9)
-    ax3.legend(fontsize=7)
-    fig.suptitle("rpc_pipeline_resnet on this machine", fontsize=10)
+    ax3.set_ylabel("seconds per batch")
+    ax3.set_title("seconds per batch, both engines", fontsize=9)
+    for ax in (ax1, ax2, ax3):
+        ax.legend(fontsize=7)
+    fig.suptitle("rpc_pipeline_resnet: RPC (3 processes) and torch.distributed.pipelining "
+                 "(2 processes) on this machine", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -210,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_classes", type=int, default=None, help="default 1000 (quick 10)")
     p.add_argument("--user_threads", type=int, default=None,
                    help="threads of the 'user' reference (default: all cores)")
+    p.add_argument("--engine", nargs="+", choices=tuple(ENGINES), default=list(ENGINES),
+                   help="main.py's RPC pipeline, pipelining.py's torch.distributed.pipelining one, or both")
+    p.add_argument("--schedules", nargs="+", choices=tuple(pp_example.SCHEDULES),
+                   default=list(pp_example.SCHEDULES), help="the pipelining engine's schedules")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write the sweep and the split table here (PNG)")
     return p
@@ -235,41 +302,62 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("--reps must be at least 1")
     if args.user_threads is not None and args.user_threads < 1:
         parser.error("--user_threads must be at least 1")
+    # smallest images first: a row's peak memory is its own unless a smaller one needed more
     configs = sorted({(s, args.sweep_splits) for s in args.sizes}
-                     | {(args.table_size, m) for m in args.splits}, reverse=True)
+                     | {(args.table_size, m) for m in args.splits})
     base = ["--batch_size", str(args.batch_size), "--num_batches", str(args.num_batches),
             "--warmup", "1", "--seed", str(args.seed), "--num_classes", str(args.num_classes),
             "--device", "cpu"]
-    for size, m in configs:  # the example's one-line errors, under this script's name
-        example.check_args(parser, example.build_parser().parse_args(
-            [*base, "--image_size", str(size), "--splits", str(m)]))
-    ex_args = example.build_parser().parse_args([*base, "--splits", "1"])
-    example.check_args(parser, ex_args)
-    ex_args.splits = [m for _, m in configs]  # run i of the job is configs[i]
+    # every engine's job, with the configurations it can run, each checked by the example's
+    # own check_args (its one-line errors, under this script's name) before anything runs
+    plans = []  # (label, engine, processes, extra flags, configs)
+    if "rpc" in args.engine:
+        plans.append(("rpc", "rpc", 3, [], configs))
+    if "pipelining" in args.engine:
+        for name in args.schedules:
+            runnable = [c for c in configs if schedule_problem(name, 2, c[1]) is None]
+            if not runnable:
+                parser.error(f"--schedules {name} can run none of the configurations "
+                             f"(micro-batches {sorted({m for _, m in configs})})")
+            plans.append((f"pp {name}", "pipelining", 2, ["--world_size", "2", "--schedule", name], runnable))
+    jobs = []
+    for label, engine, procs, extra, cfgs in plans:
+        module = importlib.import_module(ENGINES[engine][0])
+        for size, m in cfgs:
+            module.check_args(parser, module.build_parser().parse_args(
+                [*base, *extra, "--image_size", str(size), "--splits", str(m)]))
+        job_args = module.build_parser().parse_args([*base, *extra, "--splits", str(cfgs[0][1])])
+        module.check_args(parser, job_args)
+        job_args.splits = [m for _, m in cfgs]  # run i of the job is cfgs[i]
+        jobs.append((label, engine, procs, cfgs, job_args))
 
     steady_malloc()  # the references too keep their memory: see rpc_pipeline_resnet/measure.py
     n_cores = len(cores())
     user_threads = args.user_threads or n_cores
     print(describe_machine(3, distkit.threads_per_process(2)))
-    print(f"# pipeline: master + 2 shard processes; references: 1 process with 1 thread (seq) "
-          f"and with {user_threads} threads (user); batches of {args.batch_size} images, "
-          f"{args.num_classes} classes; {args.num_batches} timed batches per run after 1 warm-up, "
-          f"{args.reps} timed steps per reference after 1")
+    print(f"# engines: {', '.join(f'{label} ({procs} processes)' for label, _, procs, _, _ in jobs)}; "
+          f"references: 1 process with 1 thread (seq) and with {user_threads} threads (user); "
+          f"batches of {args.batch_size} images, {args.num_classes} classes; {args.num_batches} "
+          f"timed batches per run after 1 warm-up, {args.reps} timed steps per reference after 1")
     start = time.perf_counter()
     threads = torch.get_num_threads()
-    gflops = {s: gflop_per_image(s, args.num_classes) for s in sorted({s for s, _ in configs})}
-    refs = [reference(args, s, m, 1, args.reps) for s, m in configs]
-    users = {s: reference(args, s, 1, user_threads, args.reps) for s in sorted({s for s, _ in configs})}
+    sizes = sorted({s for s, _ in configs})
+    gflops = {s: gflop_per_image(s, args.num_classes) for s in sizes}
+    refs = {(s, m): reference(args, s, m, 1, args.reps) for s, m in configs}
+    users = {s: reference(args, s, 1, user_threads, args.reps) for s in sizes}
     torch.set_num_threads(threads)
-    # the job starts after the references: nothing else of this benchmark runs beside it
-    runs = distkit.launch(functools.partial(bench_worker, configs), ex_args)[0]
-    rows = summarize(configs, runs, refs, users, gflops, args.batch_size)
+    # the jobs start after the references, one after another: nothing else of this benchmark
+    # runs beside a job
+    done = [(label, procs, cfgs, distkit.launch(functools.partial(bench_worker, engine, cfgs), job_args)[0])
+            for label, engine, procs, cfgs, job_args in jobs]
+    rows = summarize(done, refs, users, gflops, args)
     print(format_table(HEADER, rows))
+    for line in targets(rows, args.sweep_splits):
+        print(line)
     print(f"# {time.perf_counter() - start:.0f} s")
     plot(args.plot, rows, args.sweep_splits, args.table_size)
-    assert all(math.isfinite(r[k]) for r in rows for k in HEADER if k != "flag")
+    assert all(math.isfinite(r[k]) for r in rows for k in NUMERIC)
     return rows
-
 
 if __name__ == "__main__":
     main()

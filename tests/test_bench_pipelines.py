@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO, run_cli
+from pipelining_transformer.schedules import schedule_problem
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -27,7 +28,7 @@ def assert_finite(rows: list[dict], keys: list[str]) -> None:
 
 
 def test_bench_rpc_pipeline_resnet(capsys, tmp_path):
-    from bench_rpc_pipeline_resnet import HEADER
+    from bench_rpc_pipeline_resnet import NUMERIC
 
     plot = tmp_path / "resnet.png"
     # --quick, cut to two configurations: the sweep's (32 px, 2 splits) and the table's 1 split;
@@ -36,20 +37,34 @@ def test_bench_rpc_pipeline_resnet(capsys, tmp_path):
                           ["--quick", "--sizes", "32", "--splits", "1", "--table_size", "32",
                            "--user_threads", "1", "--plot", str(plot)], capsys)
     assert out.startswith("# machine:")
-    assert [(r["image"], r["m"]) for r in rows] == [(32, 2), (32, 1)]
-    assert_finite(rows, [k for k in HEADER if k != "flag"])
+    # both engines in one run; 1F1B cannot run one micro-batch, and neither can torch 2.10's GPipe
+    gpipe_1 = [("pp GPipe", 1)] if schedule_problem("GPipe", 2, 1) is None else []
+    assert [(r["engine"], r["m"]) for r in rows] == [
+        ("rpc", 1), ("rpc", 2), *gpipe_1, ("pp GPipe", 2), ("pp 1F1B", 2)]
+    assert {r["engine"]: r["procs"] for r in rows} == {"rpc": 3, "pp GPipe": 2, "pp 1F1B": 2}
+    assert_finite(rows, NUMERIC)
     for r in rows:
         assert min(r["s/batch"], r["floor"], r["user s"], r["seq s"], r["GFLOP/mb"]) > 0
-        # every speed-up beside its bound, both against the machine's floor
+        # every speed-up beside its bound, all against the machine's floor
         assert r["x user"] == pytest.approx(r["user s"] / r["s/batch"])
         assert r["bound"] == pytest.approx(r["user s"] / r["floor"])
         assert r["x seq"] == pytest.approx(r["seq s"] / r["s/batch"])
         assert r["bound "] == pytest.approx(r["seq s"] / r["floor"])
         assert r["eff."] == pytest.approx(r["x seq"] / r["bound "])
+        if "x 1 split" in r:
+            assert r["eff."] == pytest.approx(r["x 1 split"] / r["bound 1"])
         assert r["2m/(m+1)"] == pytest.approx(2 * r["m"] / (r["m"] + 1))
-        assert r["flag"] == ("ERROR: above bound" if r["x seq"] > r["bound "] else "")
+        above = [k for k, b in (("x user", "bound"), ("x seq", "bound "), ("x 1 split", "bound 1"))
+                 if k in r and r[k] > r[b]]
+        assert bool(above) == ("ERROR" in r["flag"]), r
         assert len(r["losses"]) == 2  # warm-up + timed batch: the example really trained
-    assert rows[1]["GFLOP/mb"] == pytest.approx(2 * rows[0]["GFLOP/mb"])  # 4 images, then 2
+        assert len(r["peak MB"].split("/")) == r["procs"] and len(r["CPU s/shard"].split("/")) == 2
+        if r["engine"] != "rpc":  # the same model, data and micro-batches: the same losses
+            rpc = next(x for x in rows if x["engine"] == "rpc" and x["m"] == r["m"])
+            assert r["vs rpc"] == pytest.approx(rpc["s/batch"] / r["s/batch"])
+            assert r["losses"] == pytest.approx(rpc["losses"], rel=1e-3)
+    assert rows[0]["GFLOP/mb"] == pytest.approx(2 * rows[1]["GFLOP/mb"])  # 4 images, then 2
+    assert "% of the machine's bound" in out and "pipelining not slower than rpc" in out
     assert plot.stat().st_size > 0
 
 

@@ -1,0 +1,223 @@
+"""The same ResNet50 pipeline with torch.distributed.pipelining: two ranks, no master.
+
+main.py pipelines ResNet50 as "Distributed Pipeline Parallelism Using RPC" does; PyTorch now
+sends readers of that tutorial to "Introduction to Distributed Pipeline Parallelism", whose
+way this file follows, with the same two halves, built by the same ``ResNetShard1`` and
+``ResNetShard2`` from the same seeds (identical weights), the same data and the same
+micro-batches. Roles by rank:
+  rank 0  stage 0: ResNetShard1's layers (conv1 .. layer2); makes the images and feeds them:
+          ``schedule.step(inputs)``
+  rank 1  stage 1: ResNetShard2's layers (layer3 .. fc); makes the labels and computes the
+          MSELoss of each micro-batch: ``schedule.step(target=labels, losses=losses)``
+  both    step their own SGD optimizer over their own stage's parameters
+``ScheduleGPipe(stage, n_microbatches=..., loss_fn=...)`` by default, ``--schedule 1F1B``.
+
+Run on one machine (spawns the two processes; CPU + gloo unless each process has a GPU):
+    python rpc_pipeline_resnet/pipelining.py --world_size 2
+    python rpc_pipeline_resnet/pipelining.py --world_size 2 --schedule 1F1B --splits 2 4 8
+One rank per process under torchrun, as the pipelining tutorial launches it:
+    torchrun --nproc_per_node 2 rpc_pipeline_resnet/pipelining.py
+Prints what main.py prints: "number of splits = N, execution time = T" for each N, then the
+same table (speed-up beside the machine's bound, each batch's loss). --trace DIR writes the
+same per-rank timelines. The measurements attach from outside (stage_meter.py).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.optim as optim
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+import distkit
+from rpc_pipeline_resnet.main import add_batch_args, check_batch_args
+from rpc_pipeline_resnet.measure import print_report, steady_malloc
+from rpc_pipeline_resnet.model import ResNetBase, ResNetShard1, ResNetShard2
+from rpc_pipeline_resnet.stage_meter import StageMeter
+from rpc_pipeline_resnet.trace import write_trace
+# the transformer example's check: builds the schedule around stand-in stages
+from pipelining_transformer.schedules import schedule_problem
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}  # the ones that fit 2 stages, 2 ranks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = distkit.ArgumentParser(
+        description="Pipeline-parallel ResNet50 with torch.distributed.pipelining")
+    add_batch_args(parser)  # main.py's flags, meaning the same here
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="GPipe",
+                        help="pipeline schedule (both run one stage per rank)")
+    distkit.add_launch_args(parser, world_size=2, hang_timeout=300)
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    distkit.check_launch_args(parser, args, min_world_size=2, max_world_size=2)
+    check_batch_args(parser, args)
+    for n in args.splits:
+        if args.batch_size % n:
+            # the schedule gives every micro-batch the shape of the first (main.py's
+            # tensor_split would make them differ by one image)
+            parser.error(f"--splits values must divide --batch_size {args.batch_size} "
+                         f"(torch.distributed.pipelining's micro-batches are equal), got {n}")
+        # PyTorch's own answer, asked before any process starts (1F1B wants a micro-batch per
+        # stage; torch 2.10's GPipe does too, 2.14's does not)
+        problem = schedule_problem(args.schedule, 2, n)
+        if problem:
+            parser.error(f"--schedule {args.schedule} --splits {n}: {problem} "
+                         f"(torch {torch.__version__.split('+')[0]})")
+    distkit.check_placements(parser, args, placement)
+
+
+def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+    """A GPU of its own per rank and NCCL, or both ranks on the CPU with gloo (as in
+    pipelining_transformer: never two ranks on one GPU)."""
+    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
+
+
+def init_distributed(device_preference: str = "auto") -> tuple[int, torch.device]:
+    """Join the process group torchrun (or distkit) describes; this rank and its device."""
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    where = distkit.group_placement(device_preference, int(os.environ["LOCAL_RANK"]),
+                                    int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    distkit.agree_on_backend("pp", rank, world_size, where)
+    if where.device.type == "cuda":
+        torch.cuda.set_device(where.device)
+    dist.init_process_group(backend=where.backend, store=distkit.process_group_store(),
+                            rank=rank, world_size=world_size)
+    return rank, where.device
+
+
+class ShardStage(nn.Module):
+    """One shard's layers as a pipeline stage: ``forward`` takes the tensor itself.
+
+    The layers are those ``ResNetShard1``/``ResNetShard2`` built (the same code, seeds and
+    weights as main.py's shards; the state_dict keys are theirs too). The RPC shards'
+    ``forward`` fetches its input through an RRef, holds a lock and moves the output to the
+    CPU; a stage needs none of that: the schedule hands it one micro-batch at a time, on
+    its device, and sends the output on itself.
+    """
+
+    def __init__(self, shard: ResNetBase) -> None:
+        super().__init__()
+        self.seq = shard.seq
+        self.fc = getattr(shard, "fc", None)  # shard 2's head; shard 1 has none
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.seq(x)
+        # ResNetShard2.forward: fc over the flattened pooled features
+        return self.fc(torch.flatten(out, 1)) if self.fc is not None else out
+
+
+def manual_model_split(stage_index: int, num_stages: int, device: torch.device,
+                       args: argparse.Namespace) -> PipelineStage:
+    """Stage 0 holds shard 1's layers, stage 1 shard 2's; seeds as ``DistResNet50``'s."""
+    if stage_index == 0:
+        shard = ResNetShard1(device, num_classes=args.num_classes, seed=args.seed)
+    else:
+        shard = ResNetShard2(device, num_classes=args.num_classes, seed=args.seed + 1)
+    stage = PipelineStage(
+        ShardStage(shard),
+        stage_index,
+        num_stages,
+        device,
+    )
+    return stage
+
+
+def build_schedule(stage: PipelineStage, name: str, num_split: int, loss_fn: nn.Module):
+    """The tutorial's ``ScheduleGPipe``, or --schedule 1F1B, built the same way."""
+    if name == "GPipe":
+        return ScheduleGPipe(stage, n_microbatches=num_split, loss_fn=loss_fn)
+    return SCHEDULES[name](stage, n_microbatches=num_split, loss_fn=loss_fn)
+
+
+def no_extras(stage: PipelineStage, i: int) -> contextlib.AbstractContextManager:
+    """``run_pipeline``'s default ``on_batch``: the training loop and nothing else."""
+    return contextlib.nullcontext()
+
+
+def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: torch.device,
+                 on_batch: Callable[[PipelineStage, int], contextlib.AbstractContextManager] = no_extras,
+                 ) -> list[float]:
+    """The training loop on one rank: a fresh stage, ``num_split`` micro-batches a batch.
+
+    main.py's ``run_master``, pipelined by a schedule instead of RPCs: trains --warmup +
+    --num_batches batches and returns their losses (rank 1, which computes them; rank 0
+    returns none). ``on_batch(stage, i)`` is entered around each batch (stage_meter.py).
+    """
+    stage_index, num_stages = rank, 2  # one stage per rank
+    stage = manual_model_split(stage_index, num_stages, device, args)
+    loss_fn = nn.MSELoss()
+    schedule = build_schedule(stage, args.schedule, num_split, loss_fn)
+    opt = optim.SGD(stage.submod.parameters(), lr=args.lr)
+
+    # the data main.py's run_master draws, from the same seed: rank 0 needs the images,
+    # rank 1 the labels
+    gen = torch.Generator().manual_seed(args.seed)
+    one_hot_indices = torch.randint(0, args.num_classes, (args.batch_size, 1), generator=gen)
+    labels = torch.zeros(args.batch_size, args.num_classes).scatter_(1, one_hot_indices, 1)
+    losses = []
+    for i in range(args.warmup + args.num_batches):
+        if stage.is_first:
+            log.info(f"Processing batch {i}")
+            inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
+        with on_batch(stage, i):
+            opt.zero_grad()  # the schedule adds up the micro-batches' gradients
+            if stage.is_first:
+                schedule.step(inputs.to(device))
+            else:
+                mb_losses = []
+                schedule.step(target=labels.to(device), losses=mb_losses)
+            opt.step()
+        if stage.is_last:
+            # equal micro-batches: the mean of their MSEs is the batch's MSE, main.py's loss
+            loss = torch.stack(mb_losses).mean().item()
+            losses.append(distkit.check_finite(loss, f"batch {i} with {num_split} splits"))
+    return losses
+
+
+def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
+    """Both ranks: join the group, train one fresh pair of stages per --splits value.
+
+    Returns one measured run per value (stage_meter.StageMeter.result), on every rank.
+    """
+    if not args.default_malloc:
+        steady_malloc()  # as main.py's processes: see measure.py
+    rank, device = init_distributed(args.device)
+    runs = []
+    for num_split in args.splits:
+        meter = StageMeter(args, trace=args.trace is not None)  # clocks, CPU time, spans
+        losses = run_pipeline(num_split, args, rank, device, on_batch=meter)
+        runs.append(meter.result(num_split, losses))
+        if rank == 0:
+            log.info(f"number of splits = {num_split}, execution time = {runs[-1]['time']}")
+    dist.destroy_process_group()
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    runs = distkit.launch(run_worker, args).get(0)
+    if runs is None:  # a torchrun rank other than 0
+        return 0
+    print_report(args, runs, holders=("rank 0", "rank 1"))
+    if args.trace is not None:
+        for path in write_trace(args.trace, runs):
+            print(f"trace written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    distkit.exit_process(main())
