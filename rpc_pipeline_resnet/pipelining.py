@@ -36,13 +36,13 @@ import torch.optim as optim
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import distkit
+# the transformer example's check: builds the schedule around stand-in stages
+from pipelining_transformer.schedules import schedule_problem
 from rpc_pipeline_resnet.main import add_batch_args, check_batch_args
 from rpc_pipeline_resnet.measure import print_report, steady_malloc
 from rpc_pipeline_resnet.model import ResNetBase, ResNetShard1, ResNetShard2
 from rpc_pipeline_resnet.stage_meter import StageMeter
 from rpc_pipeline_resnet.trace import write_trace
-# the transformer example's check: builds the schedule around stand-in stages
-from pipelining_transformer.schedules import schedule_problem
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print_report(args, runs, holders=("rank 0", "rank 1"))
     if args.trace is not None:
-        for path in write_trace(args.trace, runs):
+        for path in write_trace(args.trace, runs, roles=f"{args.schedule}: rank 0 stage 0 = "
+                                f"shard 1, rank 1 stage 1 = shard 2"):
             print(f"trace written to {path}")
     return 0
 

@@ -28,6 +28,13 @@ at ``--table_size``), batches of ``--batch_size``. For each one and each engine:
               seconds) / floor; a speed-up above its bound is flagged as an ERROR
   - eff.      floor / s/batch: the share of the machine's bound reached (= each speed-up
               over its bound)
+  - model     eff. of a two-stage pipeline whose stages have one core each: with the two
+              shard processes' CPU seconds A <= B per batch, a batch takes B + A / m (the
+              busier stage all the time, the other for one micro-batch of fill and drain), so
+              model = floor / (B + A / m). eff. close to it: the stages' imbalance binds. A
+              model, not a bound (a rank's gloo threads add CPU beside its compute); the rpc
+              engine escapes it (its shard 2 back-propagates several micro-batches at once,
+              on the core shard 1 leaves idle), and so do ranks with more threads
   - vs rpc    the rpc engine's s/batch over this one's (pipelining rows): above 1 is faster
   - procs, CPU s/shard, peak MB   processes of the job; CPU seconds per batch of the process
               holding each shard; each process's peak resident memory (VmHWM) after the
@@ -43,11 +50,14 @@ freed memory (``steady_malloc``), so no measurement depends on what ran before i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import math
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -64,8 +74,8 @@ from rpc_pipeline_resnet.measure import classic_bound, cores, steady_malloc  # n
 from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2  # noqa: E402
 
 HEADER = ["engine", "procs", "image", "m", "GFLOP/mb", "s/batch", "floor", "x 1 split", "bound 1",
-          "eff.", "vs rpc", "user s", "x user", "bound", "seq s", "x seq", "bound ", "2m/(m+1)",
-          "busy", "work", "CPU s/shard", "peak MB", "flag"]
+          "eff.", "model", "vs rpc", "user s", "x user", "bound", "seq s", "x seq", "bound ",
+          "2m/(m+1)", "busy", "work", "CPU s/shard", "peak MB", "flag"]
 NUMERIC = [h for h in HEADER if h not in ("engine", "procs", "CPU s/shard", "peak MB", "flag",
                                           "x 1 split", "bound 1", "vs rpc")]
 ENGINES = {"rpc": ("rpc_pipeline_resnet.main", "run_master"),
@@ -130,6 +140,22 @@ def gflop_per_image(size: int, num_classes: int) -> float:
     return 3 * sum(flops) / 2 / 1e9
 
 
+@contextlib.contextmanager
+def env_var(name: str, value: str | None) -> Iterator[None]:
+    """``name=value`` in this process's environment inside (None: leave it as it is)."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+
+
 def bench_worker(engine: str, configs: list[tuple[int, int]], worker: distkit.Worker,
                  args: argparse.Namespace):
     """Every rank: the engine's own ``run_worker``; its i-th run is configuration i (its
@@ -163,7 +189,7 @@ def summarize(jobs: list[tuple[str, int, list, list]], refs: dict, users: dict, 
             w = median(run["batch_cpu"])
             user, floor = users[size]["wall"], ref["cpu"] / n_cores
             # 1F1B cannot run one micro-batch: its base is GPipe's (one micro-batch, the same order)
-            base = times.get((label, (size, 1)), times.get(("pp GPipe", (size, 1))))
+            base = times.get((label.replace("1F1B", "GPipe"), (size, 1)))
             rpc = times.get(("rpc", (size, m)))
             row = {"engine": label, "procs": procs, "image": size, "m": m,
                    "GFLOP/mb": gflops[size] * math.ceil(args.batch_size / m), "s/batch": t,
@@ -173,6 +199,11 @@ def summarize(jobs: list[tuple[str, int, list, list]], refs: dict, users: dict, 
                    "work": w / ref["cpu"], "losses": run["losses"],
                    "CPU s/shard": "/".join(f"{c / args.num_batches:.2f}" for c in run["cpu_times"][-2:]),
                    "peak MB": "/".join(f"{p:.0f}" for p in run["peak_mb"])}
+            # two stages, one core each, the shards' CPU seconds A <= B per batch: a batch
+            # takes B plus one micro-batch of the other stage (fill and drain)
+            row["shard cpu"] = [c / args.num_batches for c in run["cpu_times"][-2:]]
+            a, b = sorted(row["shard cpu"])
+            row["model"] = floor / (b + a / m)
             if base is not None:
                 row["x 1 split"], row["bound 1"] = base / t, base / floor
             if rpc is not None and label != "rpc":
@@ -192,11 +223,12 @@ def targets(rows: list[dict], m: int) -> list[str]:
     for r in rows:
         if r["engine"] != "rpc" and r["m"] == m:
             lines.append(f"# {r['engine']} {r['image']}px m={m}: {100 * r['eff.']:.1f} % of the "
-                         f"machine's bound ({'met' if r['eff.'] >= 0.9 else 'MISSED'}: >= 90 %)")
-    slower = [f"{r['engine']} {r['image']}px m={r['m']} ({r['vs rpc']:.2f}x)" for r in rows
-              if "vs rpc" in r and r["vs rpc"] < 1]
-    if any("vs rpc" in r for r in rows):
-        lines.append("# pipelining not slower than rpc at every point: "
+                         f"machine's bound ({'met' if r['eff.'] >= 0.9 else 'MISSED'}: >= 90 %; "
+                         f"two stages of one core each: {100 * r['model']:.1f} %)")
+    for engine in dict.fromkeys(r["engine"] for r in rows if "vs rpc" in r):
+        slower = [f"{r['image']}px m={r['m']} ({r['vs rpc']:.2f}x)" for r in rows
+                  if r["engine"] == engine and "vs rpc" in r and r["vs rpc"] < 1]
+        lines.append(f"# {engine} not slower than rpc at every point: "
                      + ("met" if not slower else "MISSED at " + ", ".join(slower)))
     return lines
 
@@ -211,7 +243,7 @@ def plot(path: str | None, rows: list[dict], sweep_m: int, table_size: int) -> N
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
     engines = list(dict.fromkeys(r["engine"] for r in rows))
-    colors = dict(zip(engines, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    colors = {engine: plt.get_cmap("tab10")(i) for i, engine in enumerate(engines)}
     for engine in engines:
         c = colors[engine]
         sweep = sorted((r for r in rows if r["engine"] == engine and r["m"] == sweep_m),
@@ -277,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="main.py's RPC pipeline, pipelining.py's torch.distributed.pipelining one, or both")
     p.add_argument("--schedules", nargs="+", choices=tuple(pp_example.SCHEDULES),
                    default=list(pp_example.SCHEDULES), help="the pipelining engine's schedules")
+    p.add_argument("--pp_threads", type=int, nargs="+", default=None, metavar="T",
+                   help="intra-op threads per pipelining rank, one job per value (default 1 2; "
+                        "quick 1); above 1 the job runs with OMP_WAIT_POLICY=PASSIVE, so a rank "
+                        "waiting for its neighbour leaves its core to it instead of spinning")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write the sweep and the split table here (PNG)")
     return p
@@ -298,6 +334,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.num_batches = pick(args.num_batches, 1, 3)
     args.reps = pick(args.reps, 1, 3)
     args.num_classes = pick(args.num_classes, 10, 1000)
+    args.pp_threads = pick(args.pp_threads, [1], [1, 2])
+    if min(args.pp_threads) < 1:
+        parser.error("--pp_threads values must be at least 1")
     if args.reps < 1:
         parser.error("--reps must be at least 1")
     if args.user_threads is not None and args.user_threads < 1:
@@ -314,12 +353,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "rpc" in args.engine:
         plans.append(("rpc", "rpc", 3, [], configs))
     if "pipelining" in args.engine:
-        for name in args.schedules:
-            runnable = [c for c in configs if schedule_problem(name, 2, c[1]) is None]
-            if not runnable:
-                parser.error(f"--schedules {name} can run none of the configurations "
-                             f"(micro-batches {sorted({m for _, m in configs})})")
-            plans.append((f"pp {name}", "pipelining", 2, ["--world_size", "2", "--schedule", name], runnable))
+        for threads in args.pp_threads:
+            for name in args.schedules:
+                runnable = [c for c in configs if schedule_problem(name, 2, c[1]) is None]
+                if not runnable:
+                    parser.error(f"--schedules {name} can run none of the configurations "
+                                 f"(micro-batches {sorted({m for _, m in configs})})")
+                label = f"pp {name}" + (f" {threads}t" if threads > 1 else "")
+                plans.append((label, "pipelining", 2, ["--world_size", "2", "--schedule", name,
+                                                        "--threads", str(threads)], runnable))
     jobs = []
     for label, engine, procs, extra, cfgs in plans:
         module = importlib.import_module(ENGINES[engine][0])
@@ -348,8 +390,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(threads)
     # the jobs start after the references, one after another: nothing else of this benchmark
     # runs beside a job
-    done = [(label, procs, cfgs, distkit.launch(functools.partial(bench_worker, engine, cfgs), job_args)[0])
-            for label, engine, procs, cfgs, job_args in jobs]
+    done = []
+    for label, engine, procs, cfgs, job_args in jobs:
+        # several threads per rank: passive OpenMP waits (read when a rank's torch loads, so
+        # set before it is spawned); otherwise a waiting rank's threads spin on the shared cores
+        passive = job_args.threads is not None and job_args.threads > 1
+        with env_var("OMP_WAIT_POLICY", "PASSIVE" if passive else None):
+            runs = distkit.launch(functools.partial(bench_worker, engine, cfgs), job_args)[0]
+        done.append((label, procs, cfgs, runs))
     rows = summarize(done, refs, users, gflops, args)
     print(format_table(HEADER, rows))
     for line in targets(rows, args.sweep_splits):

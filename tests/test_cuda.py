@@ -19,6 +19,7 @@ import distkit
 from ddp_rpc import main as ddp_rpc
 from pipelining_transformer import main as pipelining_transformer
 from rpc_pipeline_resnet import main as rpc_pipeline_resnet
+from rpc_pipeline_resnet import pipelining as rpc_pipeline_resnet_pipelining
 from rpc_rnn import main as rpc_rnn
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]
@@ -85,6 +86,30 @@ def test_rpc_pipeline_resnet_shards_on_gpus(gpus, devices, monkeypatch):
     gpu, cpu = both(rpc_pipeline_resnet, rpc_pipeline_resnet.run_worker, "--batch_size", "4",
                     "--image_size", "64", "--splits", "1", "2", "--num_batches", "2",
                     "--warmup", "0", "--num_classes", "10")
+    for g, c in zip(gpu[0], cpu[0]):
+        assert g["devices"] == devices and c["devices"] == ["cpu", "cpu"]
+        torch.testing.assert_close(g["losses"], c["losses"], **GPU)
+
+
+@pytest.mark.parametrize("gpus, devices", [(1, ["cpu", "cpu"]), (2, ["cuda:0", "cuda:1"])])
+def test_rpc_pipeline_resnet_pipelining_stage_per_gpu(gpus, devices, monkeypatch):
+    """Two GPUs: a stage each, NCCL. One: both ranks on the CPU with gloo (NCCL wants a GPU per
+    rank), as pipelining_transformer places its ranks."""
+    need_gpus(gpus)
+    gpu_ids = ",".join(map(str, range(gpus)))
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        gpu_ids = ",".join(os.environ["CUDA_VISIBLE_DEVICES"].split(",")[:gpus])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpu_ids)
+    argv = ("--world_size", "2", "--batch_size", "4", "--image_size", "64", "--splits", "1", "2",
+            "--num_batches", "2", "--warmup", "0", "--num_classes", "10")
+    if gpus == 1:  # --device cuda would be refused: run auto, which falls back to the CPU
+        parser = rpc_pipeline_resnet_pipelining.build_parser()
+        args = parser.parse_args([*argv, "--threads", "1"])
+        rpc_pipeline_resnet_pipelining.check_args(parser, args)
+        runs = distkit.launch(rpc_pipeline_resnet_pipelining.run_worker, args)[0]
+        assert all(r["devices"] == devices for r in runs)
+        return
+    gpu, cpu = both(rpc_pipeline_resnet_pipelining, rpc_pipeline_resnet_pipelining.run_worker, *argv)
     for g, c in zip(gpu[0], cpu[0]):
         assert g["devices"] == devices and c["devices"] == ["cpu", "cpu"]
         torch.testing.assert_close(g["losses"], c["losses"], **GPU)

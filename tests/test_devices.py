@@ -17,10 +17,12 @@ from ddp_rpc import main as ddp_rpc
 from pipelining_transformer import main as pipelining_transformer
 from pipelining_transformer.main import init_distributed
 from rpc_pipeline_resnet import main as rpc_pipeline_resnet
+from rpc_pipeline_resnet import pipelining as rpc_pipeline_resnet_pipelining
 from rpc_rl import main as rpc_rl
 from rpc_rnn import main as rpc_rnn
 
 EXAMPLES = {"ddp_rpc": ddp_rpc, "rpc_rnn": rpc_rnn, "rpc_pipeline_resnet": rpc_pipeline_resnet,
+            "rpc_pipeline_resnet.pipelining": rpc_pipeline_resnet_pipelining,
             "pipelining_transformer": pipelining_transformer, "rpc_rl": rpc_rl}
 NO_GPU = "--device cuda was asked for, but no CUDA device is visible on this machine"
 SHARED_GPU = "--device cuda: NCCL needs a GPU per process"
@@ -70,10 +72,17 @@ CASES = {
     ("pipelining_transformer", "cpu"): {n: ["cpu gloo"] * 2 for n in (0, 1, 2, 8)},
     ("pipelining_transformer", "cuda"): {0: NO_GPU, 1: SHARED_GPU, 2: ["cuda:0 nccl", "cuda:1 nccl"],
                                          8: ["cuda:0 nccl", "cuda:1 nccl"]},
+    # the ResNet halves with torch.distributed.pipelining: placed as pipelining_transformer's ranks
+    ("rpc_pipeline_resnet.pipelining", "auto"): {0: ["cpu gloo"] * 2, 1: ["cpu gloo"] * 2,
+                                                 2: ["cuda:0 nccl", "cuda:1 nccl"],
+                                                 8: ["cuda:0 nccl", "cuda:1 nccl"]},
+    ("rpc_pipeline_resnet.pipelining", "cuda"): {0: NO_GPU, 1: SHARED_GPU,
+                                                 2: ["cuda:0 nccl", "cuda:1 nccl"]},
     # rpc_rl offers no --device (None: the flag is left out): the CPU, whatever is visible
     ("rpc_rl", None): {n: ["cpu"] * 3 for n in (0, 1, 2, 8)},
 }
-WORLD = {"rpc_rl": ("--world_size", "3")}
+# --splits 2: torch 2.10's GPipe refuses the default's 1 split for 2 stages
+WORLD = {"rpc_rl": ("--world_size", "3"), "rpc_pipeline_resnet.pipelining": ("--splits", "2")}
 
 
 @pytest.mark.parametrize("example, device, gpus",

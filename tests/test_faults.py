@@ -39,6 +39,11 @@ class Example:
     hung_rank: int | None = None  # a rank the driving rank waits on: SIGSTOPped, it must time out
     driver: int = 0              # the rank that then reports the failure
     diverge: tuple[str, ...] = ()  # flags that make the loss non-finite (quick run + these)
+    module: str = ""             # the module whose main() argv[0] runs (default: <name>.main)
+
+
+def module_of(name: str) -> str:
+    return EXAMPLES[name].module or f"{name}.main"
 
 
 EXAMPLES = {
@@ -66,6 +71,16 @@ EXAMPLES = {
         ("rpc_pipeline_resnet/main.py", "--batch_size", "4", "--image_size", "32", "--splits", "2",
          "--num_batches", "1"),
         0, "torch.distributed.autograd:backward", hung_rank=2, driver=0),
+    # the same ResNet halves with torch.distributed.pipelining: rank 1 computes the loss;
+    # --splits 2, since torch 2.10's GPipe refuses 1 split for 2 stages
+    "rpc_pipeline_resnet.pipelining": Example(
+        ("rpc_pipeline_resnet/pipelining.py", "--batch_size", "4", "--image_size", "32",
+         "--splits", "2", "--num_batches", "100000"),
+        r"Processing batch",
+        ("rpc_pipeline_resnet/pipelining.py", "--batch_size", "4", "--image_size", "32",
+         "--splits", "2", "--num_batches", "1"),
+        1, "torch.optim.sgd:SGD.step", diverge=("--lr", "1e30", "--num_batches", "2"),
+        module="rpc_pipeline_resnet.pipelining"),
     "pipelining_transformer": Example(
         ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "100000"),
         r"step 1/",
@@ -263,11 +278,11 @@ def _faulty_worker(worker: distkit.Worker, args: argparse.Namespace):
 @pytest.mark.timeout(300)
 def test_raising_worker_fails_the_job_with_its_traceback(example, capfd):
     name, ex = example
-    module = importlib.import_module(f"{name}.main")
+    module = importlib.import_module(module_of(name))
     parser = module.build_parser()
     args = parser.parse_args(list(ex.argv[1:]))
     module.check_args(parser, args)
-    args.example_module, args.fault_rank, args.fault_target = f"{name}.main", ex.fault_rank, ex.fault_target
+    args.example_module, args.fault_rank, args.fault_target = module_of(name), ex.fault_rank, ex.fault_target
     with pytest.raises(SystemExit) as exc:
         distkit.launch(_faulty_worker, args)
     assert exc.value.code == 1
@@ -342,7 +357,7 @@ def test_sigkilled_launcher_takes_its_workers_along(example):
 def test_non_finite_loss_ends_the_run(name, capfd):
     # rpc_rl and rpc_pipeline_resnet: tests/test_rpc_rl.py, tests/test_rpc_pipeline_resnet.py
     ex = EXAMPLES[name]
-    module = importlib.import_module(f"{name}.main")
+    module = importlib.import_module(module_of(name))
     parser = module.build_parser()
     args = parser.parse_args([*ex.quick[1:], *ex.diverge])
     module.check_args(parser, args)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from test_faults import EXAMPLES, Job, _children, _cmdline, assert_all_gone
+from test_faults import EXAMPLES, Job, _children, _cmdline, assert_all_gone, module_of
 
 HANG_TIMEOUT = 5
 # the claiming rank waits up to 5 s for the others' stacks (watchdog.ANSWER_WAIT), the
@@ -26,7 +26,8 @@ MARGIN = 25
 
 # the rank whose stop ends the job: the one that drives the others, and each pipeline rank
 STOPPED = [("rpc_rl", 0), ("ddp_rpc", 2), ("rpc_rnn", 1), ("rpc_pipeline_resnet", 0),
-           ("pipelining_transformer", 0), ("pipelining_transformer", 1)]
+           ("rpc_pipeline_resnet.pipelining", 1), ("pipelining_transformer", 0),
+           ("pipelining_transformer", 1)]
 
 
 def check_report(text: str, stopped: int, ranks: list[int]) -> None:
@@ -123,6 +124,6 @@ def test_every_example_has_a_hang_timeout_it_states():
     import importlib
 
     for name in EXAMPLES:
-        parser = importlib.import_module(f"{name}.main").build_parser()
+        parser = importlib.import_module(module_of(name)).build_parser()
         assert 0 < parser.parse_args([]).hang_timeout <= 600
         assert "--hang_timeout" in parser.format_help() and "(default:" in parser.format_help()

@@ -17,12 +17,15 @@ import torch.nn as nn
 import torch.optim as optim
 
 import distkit
+from conftest import refused_before_launch, run_cli, run_torchrun
 import rpc_pipeline_resnet.main as rpc_example
 import rpc_pipeline_resnet.pipelining as pp_example
+from distkit.timeline import read_chrome_trace
 from pipelining_transformer.schedules import schedule_problem
 from rpc_pipeline_resnet.measure import Meter, print_report
 from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2
 from rpc_pipeline_resnet.stage_meter import StageMeter
+from rpc_pipeline_resnet.trace import write_trace
 
 BATCH, IMAGE, NUM_CLASSES, LR, SEED = 8, 48, 10, 0.001, 3
 # torch 2.10's GPipe refuses fewer micro-batches than stages: there, 2 stands in for 1
@@ -57,13 +60,13 @@ def launch(module, worker, *argv: str) -> tuple[argparse.Namespace, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, tuple[argparse.Namespace, list[dict]]]:
+def runs(tmp_path_factory) -> dict[str, tuple[argparse.Namespace, list[dict]]]:
     splits = [str(m) for m in SPLITS]
     return {
         "rpc": launch(rpc_example, _rpc_worker, "--splits", *splits),
         "GPipe": launch(pp_example, _pp_worker, "--world_size", "2", "--splits", *splits),
         "1F1B": launch(pp_example, _pp_worker, "--world_size", "2", "--splits", str(SPLITS[-1]),
-                       "--schedule", "1F1B"),
+                       "--schedule", "1F1B", "--trace", str(tmp_path_factory.mktemp("trace"))),
     }
 
 
@@ -129,7 +132,9 @@ def test_both_pipelines_train_what_one_process_trains(runs, num_split, capfd):
             for name, value in expected.items():
                 if name.endswith("num_batches_tracked"):  # one update per micro-batch
                     assert int(after[name]) == int(value) == 2 * num_split, (where, name)
-                elif "running" not in name:  # running statistics: the order of the RPC lock
+                elif "running" not in name or engine != "rpc":
+                    # running statistics too, but not RPC's: updated in the order the
+                    # micro-batches take the shard's lock, which is not fixed
                     torch.testing.assert_close(after[name], value, **WEIGHT_TOL,
                                                msg=lambda m: f"{where}, half {half + 1}, {name}: {m}")
             moved = "seq.0.weight" if half == 0 else "fc.weight"
@@ -139,3 +144,60 @@ def test_both_pipelines_train_what_one_process_trains(runs, num_split, capfd):
 def test_both_pipelines_start_from_the_same_weights(runs):
     digests = {engine: tuple(r["init_digests"]) for engine, (_, rs) in runs.items() for r in rs}
     assert len(set(digests.values())) == 1, digests
+
+
+def test_pipelining_trace_has_every_forward_and_backward_once_in_pipeline_order(runs):
+    """--trace: the same per-rank timeline as main.py's (F and B of every micro-batch)."""
+    args, [run] = runs["1F1B"]
+    m = run["num_split"]
+    paths = write_trace(args.trace, [run])  # what main() does with the runs
+    assert [p.name for p in paths] == [f"splits_{m}.json", "timeline.png"]
+    spans = read_chrome_trace(paths[0])
+    start, end = run["windows"][-1]  # the timed batch
+    got: dict[tuple, object] = {}
+    for s in spans:
+        if s.kind in ("F", "B") and start <= s.start <= end:
+            key = (s.rank, s.stage, s.kind, s.microbatch)
+            assert key not in got, f"{key} twice in one batch"
+            got[key] = s
+    assert set(got) == {(st, st, k, i) for st in (0, 1) for k in "FB" for i in range(m)}
+    for i in range(m):
+        assert got[1, 1, "F", i].start >= got[0, 0, "F", i].end
+        assert got[0, 0, "B", i].start >= got[1, 1, "B", i].end
+
+
+SMALL = ("--batch_size", "4", "--image_size", "32", "--num_batches", "1", "--warmup", "0",
+         "--num_classes", "10", "--splits", "2")
+
+
+def test_torchrun_launch_prints_the_same_lines():
+    """One rank per process under torchrun, as the pipelining tutorial launches it."""
+    proc = run_torchrun(2, "rpc_pipeline_resnet/pipelining.py", *SMALL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[rank 0] Processing batch 0" in proc.stdout, proc.stdout
+    assert "number of splits = 2, execution time = " in proc.stdout, proc.stdout
+    assert "devices: rank 0 cpu, rank 1 cpu" in proc.stdout and "loss of each batch" in proc.stdout
+
+
+BAD_INPUT = [
+    (["--splits", "3"], "--splits values must divide --batch_size 16"),
+    (["--schedule", "1F1B", "--splits", "1", "2"], "--schedule 1F1B --splits 1: Number of microbatches (1)"),
+    (["--schedule", "Interleaved1F1B"], "invalid choice: 'Interleaved1F1B'"),
+    (["--world_size", "3"], "--world_size must be at most 2"),
+    (["--splits", "2", "--image_size", "8", "--batch_size", "4"], "give BatchNorm"),  # main.py's check
+    (["--splits", "2", "--lr", "0"], "--lr must be a positive number"),
+]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv, message", BAD_INPUT)
+def test_bad_input_is_rejected_before_launch(argv, message, capsys, monkeypatch):
+    err = refused_before_launch(pp_example.main, argv, capsys, monkeypatch)
+    assert message in err, err
+
+
+def test_bad_input_cli_is_one_line_exit_2():
+    proc = run_cli("rpc_pipeline_resnet/pipelining.py", "--splits", "3", timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and BAD_INPUT[0][1] in proc.stderr, proc.stderr
+    assert "[rank" not in proc.stdout  # nothing was spawned

@@ -22,28 +22,30 @@ LINK = re.compile(r"\]\(([^)#\s]+)#L(\d+)\)")
 NAME = re.compile(r"`([^`]+)`")
 
 
-def map_rows(readme: Path) -> list[tuple[str, str, int]]:
-    """(name, path relative to the README, line) for every row of the README's step map."""
+def map_rows(readme: Path, heading: str = HEADING) -> list[tuple[str, str, int]]:
+    """(name, path relative to the README, line) for every link in the tables of the README's
+    section ``heading``: each cell holding a ``file.py#L<n>`` link names, in the cell before
+    it, the first backticked text that line must hold (a step map has one such pair per row,
+    the RPC-to-pipelining bridge two)."""
     text = readme.read_text()
-    assert HEADING in text, f"{readme} has no section {HEADING!r}"
-    section = text.split(HEADING, 1)[1].split("\n## ", 1)[0]
+    assert heading in text, f"{readme} has no section {heading!r}"
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
+        if not line.lstrip().startswith("|"):
+            continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or not line.lstrip().startswith("|"):
-            continue
-        link = LINK.search(cells[2])
-        name = NAME.search(cells[1])
-        if link is None or name is None:
-            continue
-        rows.append((name.group(1), link.group(1), int(link.group(2))))
+        for before, cell in zip(cells, cells[1:]):
+            link, name = LINK.search(cell), NAME.search(before)
+            if link is not None and name is not None:
+                rows.append((name.group(1), link.group(1), int(link.group(2))))
     return rows
 
 
-def problems(readme: Path) -> list[str]:
+def problems(readme: Path, heading: str = HEADING) -> list[str]:
     """Why rows of ``readme``'s map point at the wrong place (empty: none)."""
     found = []
-    for name, rel, line in map_rows(readme):
+    for name, rel, line in map_rows(readme, heading):
         path = readme.parent / rel
         if not path.is_file():
             found.append(f"{rel}#L{line}: no such file")
@@ -64,6 +66,18 @@ def test_every_step_of_the_map_is_on_its_line(example):
     assert not problems(readme), "\n".join(problems(readme))
 
 
+BRIDGE = "## The same pipeline with torch.distributed.pipelining"
+
+
+def test_every_rpc_idea_and_its_pipelining_counterpart_are_on_their_lines():
+    """rpc_pipeline_resnet's bridge: each RPC idea and its pipelining counterpart, both linked."""
+    readme = REPO / "rpc_pipeline_resnet" / "README.md"
+    rows = map_rows(readme, BRIDGE)
+    files = {rel for _, rel, _ in rows}
+    assert {"main.py", "model.py", "pipelining.py"} <= files and len(rows) >= 16, rows
+    assert not problems(readme, BRIDGE), "\n".join(problems(readme, BRIDGE))
+
+
 def test_a_row_pointed_at_a_wrong_line_fails(tmp_path):
     """The check itself can fail: a row one line off, and one whose file is gone."""
     (tmp_path / "main.py").write_text("import torch\n\ndef run_master():\n    pass\n")
@@ -77,3 +91,7 @@ def test_a_row_pointed_at_a_wrong_line_fails(tmp_path):
         "main.py#L2: 'run_master' is not on that line: ''",
         "other.py#L1: no such file",
     ]
+    # a bridge row: both sides checked, the second one off here
+    readme.write_text(f"# x\n\n{BRIDGE}\n\n| idea | rpc | where | pp | where |\n|---|---|---|---|---|\n"
+                      "| loop | `run_master` | [main.py#L3](main.py#L3) | `pass` | [main.py#L3](main.py#L3) |\n")
+    assert problems(readme, BRIDGE) == ["main.py#L3: 'pass' is not on that line: 'def run_master():'"]
