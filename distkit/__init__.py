@@ -8,6 +8,7 @@ Modules, each importing only those listed before it:
   launch      spawn the ranks here (or run this torchrun rank) and report a failed one
   args        the shared flags and their one-line refusals before launch
   timeline    spans and Chrome traces for the two pipeline examples
+  stagetrace  the spans of torch.distributed.pipelining's stages, for --trace (imported on its own)
 
 The distributed logic of each tutorial stays in its own package; this one only gets the
 processes started, talking to each other, and reliably stopped.

@@ -78,6 +78,73 @@ def test_every_rpc_idea_and_its_pipelining_counterpart_are_on_their_lines():
     assert not problems(readme, BRIDGE), "\n".join(problems(readme, BRIDGE))
 
 
+LINE_LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)#L(\d+)\)")
+
+
+def every_link(md: Path) -> list[tuple[str | None, str, int]]:
+    """(name, path relative to ``md``, line) for every ``file#L<n>`` link anywhere in ``md``.
+
+    In a table row the name is the first backticked text of the cell before the link's (as
+    in the step maps); in prose, the nearest backticked text before the link in its
+    paragraph (``train`` in "`train` ([main.py#L234](main.py#L234))"). None: no name given.
+    """
+    found = []
+    paragraph: list[str] = []
+    for line in [*md.read_text().splitlines(), ""]:
+        if line.lstrip().startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            for before, cell in zip(["", *cells], cells):
+                for link in LINE_LINK.finditer(cell):
+                    name = NAME.search(before)
+                    found.append((name.group(1) if name else None, link.group(1), int(link.group(2))))
+        elif line.strip():
+            paragraph.append(line)
+            continue
+        text = " ".join(paragraph)
+        for link in LINE_LINK.finditer(text):
+            names = NAME.findall(text[:link.start()])
+            found.append((names[-1] if names else None, link.group(1), int(link.group(2))))
+        paragraph = []
+    return found
+
+
+def link_problems(md: Path) -> list[str]:
+    """Why links of ``md`` point at the wrong place (empty: none)."""
+    found = []
+    for name, rel, line in every_link(md):
+        path = md.parent / rel
+        where = f"{md.relative_to(md.parents[1]) if len(md.parents) > 1 else md.name}: {rel}#L{line}"
+        if name is None:
+            found.append(f"{where}: the link names no code (no `name` before it)")
+        elif not path.is_file():
+            found.append(f"{where}: no such file")
+        elif not 1 <= line <= len(lines := path.read_text().splitlines()):
+            found.append(f"{where}: {rel} has {len(lines)} lines")
+        elif name not in lines[line - 1]:
+            found.append(f"{where}: {name!r} is not on that line: {lines[line - 1].strip()!r}")
+    return found
+
+
+MARKDOWN = sorted({*REPO.glob("*.md"), *REPO.glob("*/README.md"), *REPO.glob("docs/**/*.md")})
+
+
+@pytest.mark.parametrize("md", MARKDOWN, ids=[str(m.relative_to(REPO)) for m in MARKDOWN])
+def test_every_line_link_anywhere_points_at_its_name(md):
+    """Every ``file.py#L<n>`` in a README or under docs/, in a table or in prose."""
+    assert not link_problems(md), "\n".join(link_problems(md))
+
+
+def test_a_prose_link_one_line_off_fails(tmp_path):
+    (tmp_path / "main.py").write_text("import torch\n\ndef train():\n    pass\n")
+    md = tmp_path / "README.md"
+    md.write_text("The loop is `train`\n([main.py#L3](main.py#L3)).\n\nAlso [here](main.py#L3).\n")
+    assert link_problems(md) == [f"{tmp_path.name}/README.md: main.py#L3: the link names no code "
+                                 "(no `name` before it)"]
+    md.write_text("The loop is `train` ([main.py#L2](main.py#L2)).\n")
+    assert link_problems(md) == [f"{tmp_path.name}/README.md: main.py#L2: 'train' is not on that "
+                                 "line: ''"]
+
+
 def test_a_row_pointed_at_a_wrong_line_fails(tmp_path):
     """The check itself can fail: a row one line off, and one whose file is gone."""
     (tmp_path / "main.py").write_text("import torch\n\ndef run_master():\n    pass\n")
