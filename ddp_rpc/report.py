@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.rpc as rpc
@@ -21,11 +20,12 @@ from torch.distributed.rpc import RRef
 
 import distkit
 
-if TYPE_CHECKING:
-    from ddp_rpc.trainer import HybridModel, TrainConfig
+# The trainer's HybridModel is typed as a Module here: trainer.py imports this module, and an
+# import back (even for type hints only) would make the two a circle (tests/test_distkit.py)
 
 
-def _fc_state(model: HybridModel) -> dict[str, torch.Tensor]:
+def _fc_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The DDP-wrapped ``fc`` of a trainer's HybridModel, copied to the CPU."""
     return {k: v.detach().cpu().clone() for k, v in model.fc.module.state_dict().items()}
 
 
@@ -42,7 +42,7 @@ class TrainerReport:
     _started: float = field(default=0.0, repr=False)
 
     @classmethod
-    def watch(cls, rank: int, model: HybridModel, criterion: torch.nn.Module,
+    def watch(cls, rank: int, model: torch.nn.Module, criterion: torch.nn.Module,
               batches_per_epoch: int) -> TrainerReport:
         """Start reporting on trainer ``rank``: ``fc`` now, and every loss ``criterion`` returns."""
         report = cls(rank, str(model.device), fc_before=_fc_state(model), _started=time.perf_counter())
@@ -61,7 +61,7 @@ class TrainerReport:
         """The mean loss of ``epoch``'s batches (what the trainer logs)."""
         return sum(self.losses[epoch]) / len(self.losses[epoch])
 
-    def finish(self, model: HybridModel) -> TrainerReport:
+    def finish(self, model: torch.nn.Module) -> TrainerReport:
         """The report to send: ``fc`` as training left it, and the time it took."""
         self.fc_after = _fc_state(model)
         self.seconds = time.perf_counter() - self._started
@@ -76,7 +76,7 @@ def _embedding_weight(module_rref: RRef) -> torch.Tensor:
 class MasterReport:
     """The master's view of a run: the table before and after training, the time, the reports."""
 
-    def __init__(self, remote_emb_module: RemoteModule, config: TrainConfig) -> None:
+    def __init__(self, remote_emb_module: RemoteModule, config: object) -> None:
         self.table = remote_emb_module.get_module_rref()
         self.config = config
         self.emb_before = rpc.rpc_sync(self.table.owner(), _embedding_weight, args=(self.table,))

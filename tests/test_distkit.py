@@ -28,17 +28,23 @@ def launch_args(*argv: str, world_size: int = 2) -> argparse.Namespace:
     return args
 
 
-def distkit_imports(package: Path) -> dict[str, set[str]]:
-    """Which distkit modules each distkit module imports, at any depth of its code."""
+def package_imports(package: Path) -> dict[str, set[str]]:
+    """Which modules of ``package`` each of its modules imports, at any depth of its code
+    (under ``if TYPE_CHECKING:`` too: a circle of type hints is a circle a reader follows)."""
+    name = package.name
     graph = {}
     for path in package.glob("*.py"):
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import y / from . import x
                 found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distkit."):
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{name}."):
                 found.add(node.module.split(".")[1])
-        graph[path.stem] = found
+            elif isinstance(node, ast.ImportFrom) and node.module == name:  # from pkg import mod
+                found.update(a.name for a in node.names if (package / f"{a.name}.py").is_file())
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[1] for a in node.names if a.name.startswith(f"{name}."))
+        graph[path.stem] = found - {path.stem}
     return graph
 
 
@@ -59,11 +65,30 @@ def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+PACKAGES = ["distkit", "rpc_rl", "ddp_rpc", "rpc_rnn", "rpc_pipeline_resnet", "pipelining_transformer"]
+
+
 @pytest.mark.fast
-def test_distkit_is_small_and_has_no_import_circle():
-    package = REPO / "distkit"
+@pytest.mark.parametrize("name", PACKAGES)
+def test_no_package_has_an_import_circle(name):
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # can fail
-    assert import_cycle(distkit_imports(package)) is None
+    graph = package_imports(REPO / name)
+    assert import_cycle(graph) is None, f"{name}: {' -> '.join(import_cycle(graph))}"
+
+
+def test_the_import_graph_sees_every_kind_of_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import x\n")
+    (pkg / "b.py").write_text("import pkg.c\n")
+    (pkg / "c.py").write_text("from pkg import a\nfrom . import b\n")
+    assert package_imports(pkg) == {"a": {"b"}, "b": {"c"}, "c": {"a", "b"}}
+    assert import_cycle(package_imports(pkg)) == ["a", "b", "c", "a"]
+
+
+@pytest.mark.fast
+def test_distkit_is_small():
+    package = REPO / "distkit"
     long = {p.name: n for p in package.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"distkit files over {MAX_LINES} lines: {long}"
 
