@@ -135,7 +135,6 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     """Initialise each role as the tutorial does; the master returns what training did."""
     trainers = num_trainers(worker.world_size)
     master_rank, ps_rank = trainers, trainers + 1
-    distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
     rpc_backend_options = TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
     # each process its own seed: the table is initialised on the parameter server, fc on
     # every trainer, and DDP must (and does) make all trainers start from rank 0's fc
