@@ -38,7 +38,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 import distkit
 # the transformer example's check: builds the schedule around stand-in stages
 from pipelining_transformer.schedules import schedule_problem
-from rpc_pipeline_resnet.main import add_batch_args, check_batch_args
+from rpc_pipeline_resnet.main import add_batch_args, check_batch_args, feature_size
 from rpc_pipeline_resnet.measure import print_report, steady_malloc
 from rpc_pipeline_resnet.model import ResNetBase, ResNetShard1, ResNetShard2
 from rpc_pipeline_resnet.stage_meter import StageMeter
@@ -118,8 +118,28 @@ class ShardStage(nn.Module):
         return self.fc(torch.flatten(out, 1)) if self.fc is not None else out
 
 
+def shape_hints(stage_index: int, rows: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """``PipelineStage``'s ``input_args``/``output_args`` where PyTorch needs them: none on
+    torch 2.14, one micro-batch of ``rows`` images in and out (meta tensors) on older ones.
+
+    Without them PyTorch runs the stage once to learn the shapes. torch 2.10 runs it in
+    training mode, on zeros, and keeps what BatchNorm's running statistics learnt from them
+    (the parity test caught it); 2.14 backs the buffers up and restores them, and its static
+    path would want gradient shapes too, so there the tutorial's call stays as it is.
+    """
+    # private, on purpose: the backup is the behaviour that matters, and no public API says
+    # whether a PipelineStage has it
+    if hasattr(PipelineStage, "_pre_metadata_inference_backup"):
+        return {}
+    size = feature_size(args.image_size, 3)  # layer2's output: what crosses between the stages
+    shapes = [(rows, 3, args.image_size, args.image_size), (rows, 512, size, size),
+              (rows, args.num_classes)]
+    return {"input_args": torch.empty(shapes[stage_index], device="meta"),
+            "output_args": torch.empty(shapes[stage_index + 1], device="meta")}
+
+
 def manual_model_split(stage_index: int, num_stages: int, device: torch.device,
-                       args: argparse.Namespace) -> PipelineStage:
+                       args: argparse.Namespace, num_split: int) -> PipelineStage:
     """Stage 0 holds shard 1's layers, stage 1 shard 2's; seeds as ``DistResNet50``'s."""
     if stage_index == 0:
         shard = ResNetShard1(device, num_classes=args.num_classes, seed=args.seed)
@@ -130,6 +150,7 @@ def manual_model_split(stage_index: int, num_stages: int, device: torch.device,
         stage_index,
         num_stages,
         device,
+        **shape_hints(stage_index, args.batch_size // num_split, args),  # torch 2.10 only
     )
     return stage
 
@@ -156,7 +177,7 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
     returns none). ``on_batch(stage, i)`` is entered around each batch (stage_meter.py).
     """
     stage_index, num_stages = rank, 2  # one stage per rank
-    stage = manual_model_split(stage_index, num_stages, device, args)
+    stage = manual_model_split(stage_index, num_stages, device, args, num_split)
     loss_fn = nn.MSELoss()
     schedule = build_schedule(stage, args.schedule, num_split, loss_fn)
     opt = optim.SGD(stage.submod.parameters(), lr=args.lr)
