@@ -26,6 +26,7 @@ import resource
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.rpc as rpc
@@ -174,6 +175,46 @@ def all_stats(model: nn.Module) -> list[dict]:
     return [process_stats(), *(f.wait() for f in futures)]
 
 
+@dataclass
+class BatchLog:
+    """What a meter keeps of every batch (both engines': ``Meter``, ``stage_meter.StageMeter``).
+
+    ``add`` takes the batch's window on the wall clock and ``process_stats`` of every process
+    before and after it; the last two processes hold the shards. Batches before ``warmup``
+    keep only their window and the peak memory.
+    """
+
+    warmup: int
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    batch_times: list[float] = field(default_factory=list)
+    batch_cpu: list[float] = field(default_factory=list)  # CPU seconds of every process
+    floor_times: list[float] = field(default_factory=list)  # ... over the cores, per host
+    faults: list[int] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=lambda: [0.0, 0.0])  # each shard's process
+    peak_mb: list[float] = field(default_factory=list)  # every process's, so far
+
+    def add(self, i: int, tik: float, tok: float, before: list[dict], after: list[dict]) -> None:
+        self.windows.append((tik, tok))
+        self.peak_mb = [a["peak_mb"] for a in after]
+        if i < self.warmup:
+            return
+        self.batch_times.append(tok - tik)
+        cpu, floor, n_faults = batch_floor(before, after)
+        self.batch_cpu.append(cpu)
+        self.floor_times.append(floor)
+        self.faults.append(n_faults)
+        self.cpu_times = [t + a["cpu"] - b["cpu"]
+                          for t, b, a in zip(self.cpu_times, before[-2:], after[-2:])]
+
+    def result(self, num_split: int, losses: list[float]) -> dict:
+        """One run's losses beside its measurements (what ``print_report`` reads)."""
+        return {"num_split": num_split, "time": sum(self.batch_times), "losses": losses,
+                "batch_times": self.batch_times, "cpu_times": self.cpu_times,
+                # measured CPU work and the wall time it needs at least
+                "batch_cpu": self.batch_cpu, "floor": sum(self.floor_times), "faults": self.faults,
+                "peak_mb": self.peak_mb, "windows": self.windows[self.warmup:]}
+
+
 class Meter:
     """``run_master``'s ``on_batch``: measures every batch from outside the tutorial's loop.
 
@@ -188,13 +229,7 @@ class Meter:
         self.tracer, self.states = tracer, states
         self.model: nn.Module | None = None
         self.first: dict = {}
-        self.windows: list[tuple[float, float]] = []
-        self.batch_times: list[float] = []
-        self.batch_cpu: list[float] = []
-        self.floor_times: list[float] = []
-        self.faults: list[int] = []
-        self.cpu_times = [0.0, 0.0]
-        self.peak_mb: list[float] = []
+        self.log = BatchLog(args.warmup)
 
     @contextlib.contextmanager
     def __call__(self, model: nn.Module, i: int) -> Iterator[None]:
@@ -214,25 +249,12 @@ class Meter:
             yield
         after = all_stats(model)
         tok = clock()
-        self.windows.append((tik, tok))
-        self.peak_mb = [a["peak_mb"] for a in after]  # master, shard 1, shard 2
-        if timed:
-            self.batch_times.append(tok - tik)
-            cpu, floor, n_faults = batch_floor(before, after)
-            self.batch_cpu.append(cpu)
-            self.floor_times.append(floor)
-            self.faults.append(n_faults)
-            self.cpu_times = [t + a["cpu"] - b["cpu"]
-                              for t, b, a in zip(self.cpu_times, before[1:], after[1:])]
+        self.log.add(i, tik, tok, before, after)  # master, shard 1, shard 2
 
     def result(self, num_split: int, losses: list[float]) -> dict:
         """One run: its losses beside everything measured (what ``print_report`` reads)."""
-        result = {"num_split": num_split, "time": sum(self.batch_times), "losses": losses,
-                  "batch_times": self.batch_times, "cpu_times": self.cpu_times,
-                  # measured CPU work (all three processes) and the wall time it needs at least
-                  "batch_cpu": self.batch_cpu, "floor": sum(self.floor_times), "faults": self.faults,
-                  "peak_mb": self.peak_mb, "windows": self.windows[self.warmup:],
-                  "spans": self.tracer.spans(num_split) if self.tracer else []} | self.first
+        result = (self.log.result(num_split, losses)
+                  | {"spans": self.tracer.spans(num_split) if self.tracer else []} | self.first)
         if self.states:
             result["after"] = _on_owner(self.model, _state_copy)
         return result

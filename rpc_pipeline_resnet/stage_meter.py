@@ -18,7 +18,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from distkit import stagetrace
 from distkit.timeline import Recorder, clock, spans_to_dicts
-from rpc_pipeline_resnet.measure import batch_floor, process_stats, state_digest
+from rpc_pipeline_resnet.measure import BatchLog, process_stats, state_digest
 
 
 def _gather(value: object) -> list:
@@ -43,18 +43,11 @@ class StageMeter:
     """
 
     def __init__(self, args: argparse.Namespace, trace: bool = False, states: bool = False) -> None:
-        self.warmup = args.warmup
         self.recorder = Recorder(dist.get_rank()) if trace else None
         self.states = states
         self.stage: PipelineStage | None = None
         self.first: dict = {}
-        self.windows: list[tuple[float, float]] = []
-        self.batch_times: list[float] = []
-        self.batch_cpu: list[float] = []
-        self.floor_times: list[float] = []
-        self.faults: list[int] = []
-        self.cpu_times = [0.0] * dist.get_world_size()
-        self.peak_mb: list[float] = []
+        self.log = BatchLog(args.warmup)
 
     @contextlib.contextmanager
     def __call__(self, stage: PipelineStage, i: int) -> Iterator[None]:
@@ -74,27 +67,16 @@ class StageMeter:
         dist.barrier()
         tok = clock()
         stagetrace.end_step()
-        self.windows.append((tik, tok))
         stats = _gather((before, after))  # outside the window
-        self.peak_mb = [a["peak_mb"] for _, a in stats]
-        if i >= self.warmup:
-            self.batch_times.append(tok - tik)
-            cpu, floor, n_faults = batch_floor([b for b, _ in stats], [a for _, a in stats])
-            self.batch_cpu.append(cpu)
-            self.floor_times.append(floor)
-            self.faults.append(n_faults)
-            self.cpu_times = [t + a["cpu"] - b["cpu"] for t, (b, a) in zip(self.cpu_times, stats)]
+        self.log.add(i, tik, tok, [b for b, _ in stats], [a for _, a in stats])  # rank 0, rank 1
 
     def result(self, num_split: int, losses: list[float]) -> dict:
         """One run, on every rank: the last stage's losses beside everything measured."""
         stagetrace.record_into(None)
         losses = next((x for x in _gather(losses) if x), [])  # the last stage computed them
         spans = _gather(spans_to_dicts(self.recorder.spans) if self.recorder else [])
-        result = {"num_split": num_split, "time": sum(self.batch_times), "losses": losses,
-                  "batch_times": self.batch_times, "cpu_times": self.cpu_times,
-                  "batch_cpu": self.batch_cpu, "floor": sum(self.floor_times), "faults": self.faults,
-                  "peak_mb": self.peak_mb, "windows": self.windows[self.warmup:],
-                  "spans": [s for rank in spans for s in rank]} | self.first
+        result = (self.log.result(num_split, losses)
+                  | {"spans": [s for rank in spans for s in rank]} | self.first)
         if self.states:
             result["after"] = _gather(_cpu_state(self.stage.submod))
         return result
