@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,7 @@ def _wait(procs: list, ranks: list[int], result_dir: Path) -> None:
     while True:
         failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
         if failed:
+            failed = _settle(procs, failed)
             _stop(procs)
             refusals = sorted(result_dir.glob("*.refused"))
             if refusals:  # a device the job cannot run with: its one line, as for bad flags
@@ -131,6 +133,27 @@ def _wait(procs: list, ranks: list[int], result_dir: Path) -> None:
         if all(p.exitcode == 0 for p in procs):
             return
         mp_connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=1)
+
+
+KILLED_GRACE = 1.0  # seconds a failure waits for a rank killed by a signal to be reaped
+
+
+def _settle(procs: list, failed: list[int]) -> list[int]:
+    """The failed ranks once a rank killed by a signal, if there is one, has been reaped.
+
+    A killed process with many threads (RPC's pools) takes a while to become a zombie, and
+    meanwhile a peer it broke can raise and exit first: seen on a loaded machine, the SIGKILLed
+    parameter server of ddp_rpc reported as the master's RPC error. A failure that is a signal
+    is reported at once; any other waits up to ``KILLED_GRACE`` for one before it is blamed.
+    """
+    deadline = time.monotonic() + KILLED_GRACE
+    while not any(procs[i].exitcode < 0 for i in failed) and (left := deadline - time.monotonic()) > 0:
+        running = [p.sentinel for p in procs if p.exitcode is None]
+        if not running:
+            break
+        mp_connection.wait(running, timeout=left)
+        failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    return failed
 
 
 def _root_cause(failed: list[int], procs: list, ranks: list[int], result_dir: Path) -> str:

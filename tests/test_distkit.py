@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 
 from pathlib import Path
@@ -215,3 +217,39 @@ def test_master_addr_not_on_this_machine_is_one_line_exit_2(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot listen on 192.0.2.1:29999" in err, err
+
+
+def _exit_1() -> None:
+    os._exit(1)
+
+
+def _killed_after_a_moment() -> None:
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("grace", [0.0, None])
+def test_a_rank_killed_just_after_its_peer_failed_is_the_root_cause(grace, tmp_path, monkeypatch):
+    """A killed rank can be reaped after the peer it broke has already exited 1 (seen in CI:
+    ddp_rpc's SIGKILLed parameter server reported as the master's RPC error). The launcher
+    waits a moment for it; with no grace (the case that shows the check can fail) it blames
+    the peer."""
+    launch_module = sys.modules["distkit.launch"]  # the module (distkit.launch is the function)
+
+    if grace is not None:
+        monkeypatch.setattr(launch_module, "KILLED_GRACE", grace)
+    ctx = mp.get_context("fork")  # plain functions, no torch in the children
+    procs = [ctx.Process(target=_exit_1), ctx.Process(target=_killed_after_a_moment)]
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join()
+        failed = launch_module._settle(procs, [0])
+        cause = launch_module._root_cause(failed, procs, [0, 1], tmp_path)
+    finally:
+        for p in procs:
+            p.join(5)
+    if grace is None:
+        assert cause == "rank 1 died (signal SIGKILL); the job is stopped", cause
+    else:
+        assert cause == "rank 0 died (exit status 1); the job is stopped", cause
