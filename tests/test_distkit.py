@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 
 from pathlib import Path
@@ -223,9 +224,8 @@ def _exit_1() -> None:
     os._exit(1)
 
 
-def _killed_after_a_moment() -> None:
-    time.sleep(0.3)
-    os.kill(os.getpid(), signal.SIGKILL)
+def _sleep() -> None:
+    time.sleep(60)
 
 
 @pytest.mark.parametrize("grace", [0.0, None])
@@ -239,15 +239,20 @@ def test_a_rank_killed_just_after_its_peer_failed_is_the_root_cause(grace, tmp_p
     if grace is not None:
         monkeypatch.setattr(launch_module, "KILLED_GRACE", grace)
     ctx = mp.get_context("fork")  # plain functions, no torch in the children
-    procs = [ctx.Process(target=_exit_1), ctx.Process(target=_killed_after_a_moment)]
+    procs = [ctx.Process(target=_exit_1), ctx.Process(target=_sleep)]
     for p in procs:
         p.start()
+    kill = threading.Timer(0.2, os.kill, (procs[1].pid, signal.SIGKILL))
     try:
-        procs[0].join()
+        procs[0].join()  # the peer has failed; the rank it depends on is killed a moment later
+        kill.start()
         failed = launch_module._settle(procs, [0])
         cause = launch_module._root_cause(failed, procs, [0, 1], tmp_path)
     finally:
+        kill.cancel()
         for p in procs:
+            if p.is_alive():
+                p.kill()
             p.join(5)
     if grace is None:
         assert cause == "rank 1 died (signal SIGKILL); the job is stopped", cause
