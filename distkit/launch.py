@@ -151,7 +151,9 @@ def _settle(procs: list, failed: list[int]) -> list[int]:
         running = [p.sentinel for p in procs if p.exitcode is None]
         if not running:
             break
-        mp_connection.wait(running, timeout=left)
+        ready = mp_connection.wait(running, timeout=left)
+        if ready and all(p.exitcode is None for p in procs if p.sentinel in ready):
+            time.sleep(0.01)  # a pipe closes a moment before its process is reapable: no spinning
         failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
     return failed
 
