@@ -28,7 +28,10 @@ import torch
 import torch.multiprocessing as mp
 from multiprocessing import connection as mp_connection
 
+from torch.distributed.elastic.timer import FileTimerServer
+
 from .rendezvous import STORE_TIMEOUT, host_store, under_torchrun
+from .watchdog import TIMER_FILE, TIMER_MARGIN
 from .worker import Worker, die_with_parent, exit_now, run_rank
 
 log = logging.getLogger("distkit")
@@ -100,6 +103,12 @@ def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
     else:
         port = args.master_port
     result_dir = Path(tempfile.mkdtemp(prefix="distkit-"))
+    # torchrun's worker timer (TORCHELASTIC_ENABLE_FILE_TIMER=1), here always on: each rank's
+    # watchdog keeps a timer going, so a rank frozen whole (SIGSTOP) is ended on its own
+    # machine, also when the rank that reports the hang runs on another one
+    timer = FileTimerServer(str(result_dir / "timer"), run_id="distkit", max_interval=0.1,
+                            log_event=_timer_event)
+    timer.start()
     spawn = mp.get_context("spawn")
     procs = [spawn.Process(target=_spawned, args=(i, fn, args, ranks, addr, port, str(result_dir)),
                            name=f"rank{rank}") for i, rank in enumerate(ranks)]
@@ -114,6 +123,7 @@ def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
     finally:
         signal.signal(signal.SIGTERM, old_term)
         _stop(procs)
+        timer.stop()
         del store
         shutil.rmtree(result_dir, ignore_errors=True)
     raise AssertionError("unreachable")
@@ -133,6 +143,14 @@ def _wait(procs: list, ranks: list[int], result_dir: Path) -> None:
         if all(p.exitcode == 0 for p in procs):
             return
         mp_connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=1)
+
+
+_timed_out: set[int] = set()  # pids the timer server killed
+
+
+def _timer_event(name: str, request: Any) -> None:
+    if name == "timer expired" and request is not None:
+        _timed_out.add(request.worker_pid)
 
 
 KILLED_GRACE = 1.0  # seconds a failure waits for a rank killed by a signal to be reaped
@@ -166,6 +184,9 @@ def _root_cause(failed: list[int], procs: list, ranks: list[int], result_dir: Pa
     killed by a signal (it could record nothing) counts as first.
     """
     for i in failed:
+        if procs[i].exitcode < 0 and procs[i].pid in _timed_out:
+            return (f"rank {ranks[i]} was frozen (no heartbeat for --hang_timeout + "
+                    f"{TIMER_MARGIN:g} s) and was killed by its watchdog's timer; the job is stopped")
         if procs[i].exitcode < 0:
             name = signal.Signals(-procs[i].exitcode).name
             return f"rank {ranks[i]} died (signal {name}); the job is stopped"
@@ -208,7 +229,8 @@ def _spawned(index: int, fn: Callable, args: argparse.Namespace, ranks: list[int
     rank = ranks[index]
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(index),
-                      LOCAL_WORLD_SIZE=str(len(ranks)), TORCHELASTIC_USE_AGENT_STORE="True")
+                      LOCAL_WORLD_SIZE=str(len(ranks)), TORCHELASTIC_USE_AGENT_STORE="True",
+                      **{TIMER_FILE: os.path.join(result_dir, "timer")})
     worker = Worker(rank, args.world_size, index, len(ranks), addr, port, args.device)
     try:
         result = run_rank(fn, worker, args, failure_file=os.path.join(result_dir, f"{rank}.failed"))

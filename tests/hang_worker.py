@@ -35,6 +35,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> float:
     if args.mode == "slow":
         while time.monotonic() - start < args.seconds:
             layer(torch.ones(1, 4))  # progress, once a second
+            print(f"rank {worker.rank} made progress", flush=True)
             time.sleep(1)
     else:
         layer(torch.ones(1, 4))

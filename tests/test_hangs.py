@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import run_cli
+from distkit import watchdog
 from test_faults import EXAMPLES, Job, _children, _cmdline, assert_all_gone, module_of
 
 HANG_TIMEOUT = 5
@@ -127,3 +129,95 @@ def test_every_example_has_a_hang_timeout_it_states():
         parser = importlib.import_module(module_of(name)).build_parser()
         assert 0 < parser.parse_args([]).hang_timeout <= 600
         assert "--hang_timeout" in parser.format_help() and "(default:" in parser.format_help()
+
+
+# ------------------------------------------------ the watchdog itself fails: it cannot die quietly
+
+class _Store:
+    """A stand-in for the job's store: answers like a TCPStore until ``fail`` is set, then
+    raises (its host gone) or blocks (its host frozen) on every call."""
+
+    def __init__(self, fail_how: str) -> None:
+        self.fail_how, self.fail, self.data = fail_how, threading.Event(), {}
+
+    def _maybe_fail(self) -> None:
+        if self.fail.is_set():
+            if self.fail_how == "raises":
+                raise RuntimeError("Connection reset by peer")
+            threading.Event().wait()  # frozen: never answers
+
+    def set(self, key, value):
+        self._maybe_fail()
+        self.data[key] = str(value).encode()
+
+    def add(self, key, n):
+        self._maybe_fail()
+        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
+        return int(self.data[key])
+
+    def check(self, keys):
+        self._maybe_fail()
+        return all(k in self.data for k in keys)
+
+
+@pytest.mark.parametrize("fail_how", ["raises", "blocks"])
+def test_the_watchdog_ends_its_rank_when_the_store_fails(fail_how, monkeypatch):
+    """In one process: the store the watchdog talks to starts failing under it. Before issue
+    29 a raising store ended the watchdog's thread after its report (the rank trained on)
+    and a frozen one held it for the client's timeout (120 s); now the rank exits 1 with its
+    report within the store's bound plus one interval."""
+    store = _Store(fail_how)
+    monkeypatch.setattr(watchdog, "connect", lambda timeout: store)
+    monkeypatch.setattr(watchdog, "STORE_FLOOR", 1.0)  # a store call's bound: 1 s, not 10
+    monkeypatch.delenv(watchdog.TIMER_FILE, raising=False)
+    exited, reports = threading.Event(), []
+
+    def fake_exit(status: int) -> None:  # ends the calling thread instead of the process
+        reports.append(status)
+        exited.set()
+        raise SystemExit
+
+    monkeypatch.setattr(watchdog, "_exit", fake_exit)
+    dog = watchdog.Watchdog(rank=1, world_size=2, timeout=1.0, on_hang=reports.append).start()
+    try:
+        time.sleep(0.5)
+        assert not exited.is_set(), reports  # a working store: nothing happens
+        store.fail.set()
+        start = time.monotonic()
+        assert exited.wait(10), f"the rank still runs 10 s after its store failed ({fail_how})"
+        took = time.monotonic() - start
+    finally:
+        dog._stop.set()
+    (message, status) = reports
+    assert status == 1
+    assert took < 1.0 + 2 * dog.interval + 1, took  # store bound + the guard's interval + slack
+    expected = "the hang watchdog failed" if fail_how == "raises" else "has not answered for"
+    assert message.startswith("rank 1: ") and expected in message, message
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_store_host_ends_every_rank():
+    """torchrun's agent hosts the job's store: frozen (SIGSTOP) under a running job, as the
+    machine holding it would be when it drops off the network, every rank ends within the
+    store's bound (``watchdog.STORE_FLOOR`` here) with a report saying so."""
+    job = Job(("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "tests/hang_worker.py", "slow", "--seconds", "600", "--hang_timeout", "5"))
+    try:
+        job.wait_for(r"rank 1 made progress")
+        job.wait_for(r"rank 0 made progress")
+        workers = torchrun_workers(job.proc.pid, "tests/hang_worker.py")
+        start = time.monotonic()
+        os.kill(job.proc.pid, signal.SIGSTOP)  # the agent, and the store it hosts
+        assert_all_gone(list(workers.values()), within=watchdog.STORE_FLOOR + MARGIN)
+        took = time.monotonic() - start
+        os.kill(job.proc.pid, signal.SIGCONT)
+        assert job.finish(timeout=60) != 0, job.text()
+        text = job.text()
+        assert took < watchdog.STORE_FLOOR + MARGIN, text
+        for rank in workers:
+            assert f"rank {rank}: the job's rendezvous store has not answered for" in text, text
+            assert f"[rank {rank}] stacks (every thread)" in text, text
+    finally:
+        if job.proc.poll() is None:
+            os.kill(job.proc.pid, signal.SIGCONT)
+        job.kill()

@@ -87,7 +87,7 @@ def _teardown(namespaces: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def hosts():
-    """Three hosts on one bridge; torn down after the module's tests, failed or not."""
+    """Six hosts on one bridge; torn down after the module's tests, failed or not."""
     if os.geteuid() != 0:
         pytest.skip("multi-host tests create network namespaces, which needs root")
     # CI runs as root, and there these tests must run: a missing tool fails them, not skips
@@ -106,7 +106,7 @@ def hosts():
         _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
         _ip("-n", bridge, "link", "set", "br0", "up")
         result = []
-        for i in (1, 2, 3):
+        for i in range(1, 7):  # three, and three more for the hang cases' pairs
             host = Host(f"{prefix}h{i}", f"{SUBNET}.{i}")
             _ip("netns", "add", host.ns)
             created.append(host.ns)
@@ -471,6 +471,138 @@ def test_pipelining_transformer_kill_with_no_restarts_left_fails_both_hosts(host
     output = runs[killed["node"]].output
     report = output[output.index("Root Cause (first observed failure)"):]
     assert f"exitcode  : -9 (pid: {killed['pid']})" in report, _outputs(runs)
+
+
+# -------------------------------------------- hangs across hosts: a rank or a host goes away
+
+# Three cases at once, each on a pair of hosts of its own (one launch of all, not three in
+# turn: the suite's time). Each pair runs jobs as docs/multi_host.md starts them, the pair's
+# first host with rank 0 and the job's store, its second with rank 1: the pipeline and
+# rpc_rnn (rank 0 the parameter server, an idle RPC server; rank 1 the trainer) under
+# torchrun's static rendezvous, and for a stopped rank also the pipeline under distkit's
+# launcher (--ranks). A host whose only rank is frozen has one thing left to end it: its
+# launcher's file timer, which each rank's watchdog renews (it expires
+# distkit.watchdog.TIMER_MARGIN after --hang_timeout); torchrun runs it with
+# TORCHELASTIC_ENABLE_FILE_TIMER=1, distkit's launcher always.
+HANG = 5  # --hang_timeout
+HANG_FLAGS = ("--hang_timeout", str(HANG), "--threads", "1")
+PIPELINE_HANG = ("pipelining_transformer/main.py", *TINY_MODEL, "--steps", "100000")
+RNN_HANG = ("rpc_rnn/main.py", "--epochs", "100000", "--batches", "2")
+HANG_READY = {"pipelining_transformer": r"step 2/", "rpc_rnn": r"epoch 2\t"}  # rank 1, under way
+HANG_PORTS = {"rank_stopped": 29460, "second_host_lost": 29470, "first_host_lost": 29480}
+# s from the event to the last of its pair's processes ending: --hang_timeout and the file
+# timer's margin (rank_stopped), the store's bound (first_host_lost), plus a loaded machine
+HANG_BOUND = 45
+
+
+@dataclass(frozen=True)
+class HangJob:
+    case: str
+    example: str
+    launcher: str  # "torchrun" or "distkit"
+    node: int  # 0: the pair's first host
+
+
+def _hang_jobs(hosts: list[Host]) -> tuple[list[HangJob], list[tuple[Host, list[str], dict[str, str]]]]:
+    """Every case's jobs, on its own pair of hosts."""
+    found, commands = [], []
+    for k, case in enumerate(HANG_PORTS):
+        pair = hosts[2 * k:2 * k + 2]
+        kinds = [("pipelining_transformer", "torchrun"), ("rpc_rnn", "torchrun")]
+        if case == "rank_stopped":
+            kinds.append(("pipelining_transformer", "distkit"))
+        for i, (example, launcher) in enumerate(kinds):
+            argv = PIPELINE_HANG if example == "pipelining_transformer" else RNN_HANG
+            ifaces = PIPELINE_IFACES if example == "pipelining_transformer" else RPC_IFACES
+            port = HANG_PORTS[case] + i
+            for node, host in enumerate(pair):
+                if launcher == "torchrun":
+                    cmd = [*_torchrun_argv("static", node, pair, port=port), *argv]
+                else:
+                    cmd = [*argv, "--world_size", "2", "--ranks", str(node), "--master_addr",
+                           pair[0].addr, "--master_port", str(port)]
+                found.append(HangJob(case, example, launcher, node))
+                commands.append((host, [*cmd, *HANG_FLAGS],
+                                 {**ifaces, "TORCHELASTIC_ENABLE_FILE_TIMER": "1"}))
+    return found, commands
+
+
+def _lose_host(host: Host) -> None:
+    """The machine drops off the network, then loses power: its link is cut first, so no
+    FIN or RST tells the other host; then every process in it is killed."""
+    _ip("-n", host.ns, "link", "set", IFNAME, "down")
+    for pid in subprocess.run(["ip", "netns", "pids", host.ns], capture_output=True,
+                              text=True).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _rank_1_worker(job: HangJob, launcher: int) -> int:
+    from test_elastic import workers_by_rank
+    from test_faults import _children, _cmdline
+
+    if job.launcher == "torchrun":
+        return workers_by_rank(launcher)[1]
+    (worker,) = [p for p in _children(launcher) if b"spawn_main" in _cmdline(p)]  # --ranks 1
+    return worker
+
+
+@pytest.mark.timeout(600)
+def test_a_hang_across_hosts_ends_the_job(hosts, tmp_path):
+    """A rank on the second host SIGSTOPped, the second host lost, or the first lost (it
+    holds the job's store, and so the watchdogs'): the ranks still running end within the
+    bound and say why, and nothing is left running on either host."""
+    jobs, commands = _hang_jobs(hosts)
+    pair_of = {case: hosts[2 * k:2 * k + 2] for k, case in enumerate(HANG_PORTS)}
+    start: dict[str, float] = {}
+    took: dict[str, float] = {}
+
+    def watch(launchers: list[int]) -> None:
+        for case in HANG_PORTS:
+            mine = [(j, pid) for j, pid in zip(jobs, launchers) if j.case == case]
+            if case not in start:
+                if all(re.search(HANG_READY[j.example], (tmp_path / f"host{i}.log").read_text())
+                       for i, j in enumerate(jobs) if j.case == case and j.node == 1):
+                    start[case] = time.monotonic()
+                    if case == "rank_stopped":
+                        for j, pid in mine:
+                            if j.node == 1:
+                                os.kill(_rank_1_worker(j, pid), signal.SIGSTOP)
+                    else:
+                        _lose_host(pair_of[case][1 if case == "second_host_lost" else 0])
+            elif case not in took and not any(Path(f"/proc/{pid}").exists() for _, pid in mine):
+                took[case] = time.monotonic() - start[case]  # run_on_hosts reaps them
+
+    try:
+        runs = run_on_hosts(commands, tmp_path, watch=watch)
+    finally:
+        for host in hosts:
+            _ip("-n", host.ns, "link", "set", IFNAME, "up")  # the hosts of the tests after
+    for case in start.keys() - took.keys():  # the last to end: run_on_hosts returned then
+        took[case] = time.monotonic() - start[case]
+    text = _outputs(runs)
+    assert sorted(start) == sorted(HANG_PORTS), f"not all under way ({sorted(start)}):\n{text}"
+    slow = {case: round(t) for case, t in took.items() if t >= HANG_BOUND}
+    assert not slow, f"ended too late: {slow}:\n{text}"
+    for job, run in zip(jobs, runs):
+        assert run.returncode != 0, text
+        assert not subprocess.run(["ip", "netns", "pids", run.host.ns], capture_output=True,
+                                  text=True).stdout, f"left running on {run.host.ns}:\n{text}"
+        out = run.output
+        if job.case == "rank_stopped" and job.node == 0:
+            # rank 0 names rank 1 and prints its own stacks
+            assert re.search(r"rank 1 (did not answer|stopped answering)", out), text
+            assert "[rank 0] stacks (every thread)" in out, text
+        elif job.case == "rank_stopped":  # killed by its launcher's file timer, and said so
+            assert "[rank 1] stacks" not in out, text
+            assert ("exitcode  : -9" in out if job.launcher == "torchrun" else
+                    "rank 1 was frozen (no heartbeat" in out), text
+        elif job.case == "second_host_lost" and job.node == 0:
+            assert re.search(r"rank 1 (did not answer|stopped answering)", out), text
+        elif job.case == "first_host_lost" and job.node == 1:  # the store's host is lost
+            assert "rank 1: the job's rendezvous store has not answered for" in out, text
 
 
 # ------------------------------------------------------- one host's command, results kept
