@@ -1,10 +1,12 @@
 """Every benchmark refuses a bad flag as the examples do: one line, exit 2, nothing run.
 
 One test per script in scripts/ named bench_*.py (found, not listed: a new benchmark is
-covered the day it is added). Its bad command lines are of two kinds:
+tried the day it is added, and fails until ``CASES`` has its entry, if only an empty one).
+Its bad command lines are of two kinds:
   - derived from the script's own parser: an unknown flag; for every flag that takes
     whole numbers, 0 and -1 (a seed may be 0); for every float, nan; for every flag with
-    choices or a type of its own (a schedule, a split, a point), "bogus";
+    choices or a type of its own (a schedule, a split, a point), "bogus"; the line must
+    name the flag;
   - written out below per script (``CASES``): values each fine alone that cannot work
     together, with the words the one line must hold (a split that does not divide a batch,
     a split of the layers that no schedule can run, ...).
