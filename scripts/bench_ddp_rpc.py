@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 from bench_rpc_rnn import PhaseClock, launch_timed, phase_seconds, plot, print_tables  # noqa: E402
 from bench_rpc_rnn import rpc_round_trip, summarize, threads  # noqa: E402
-from benchlib import describe_machine  # noqa: E402
+from benchlib import check_at_least, describe_machine  # noqa: E402
 from ddp_rpc.main import build_parser as ddp_parser, check_args as ddp_check, run_worker  # noqa: E402
 from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch  # noqa: E402
 
@@ -87,10 +87,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     trainer_counts = args.trainers or ([2] if args.quick else [1, 2])
     batch_sizes = args.batch_sizes or ([16, 1024] if args.quick else [16, 256, 4096])
     iters = (50 if args.quick else 200) if args.iters is None else args.iters
-    if min(trainer_counts) < 1 or min(batch_sizes) < 1:
-        parser.error("--trainers and --batch_sizes must be at least 1")
-    if iters < 1 or args.warmup < 1 or args.rtt_calls < 1:
-        parser.error("--iters, --warmup and --rtt_calls must be at least 1")
+    check_at_least(parser, 1, {"--trainers": trainer_counts, "--batch_sizes": batch_sizes,
+                               "--iters": iters, "--warmup": args.warmup, "--rtt_calls": args.rtt_calls})
+    check_at_least(parser, 0, {"--seed": args.seed})
+    # every run's flags, checked by the example's own check_args before anything runs
+    runs = []
+    for trainers in trainer_counts:
+        for batch in batch_sizes:
+            ddp_args = ddp_parser().parse_args([
+                "--world_size", str(trainers + 2), "--epochs", "1",
+                "--batches_per_epoch", str(args.warmup + iters), "--batch_size", str(batch),
+                "--seed", str(args.seed), "--device", "cpu"])
+            ddp_check(parser, ddp_args)
+            runs.append((trainers, batch, ddp_args))
     print(describe_machine(max(trainer_counts) + 2))
     rtt = rpc_round_trip(args.rtt_calls)
     print(f"# RPC round trip (median of {args.rtt_calls} no-op rpc_sync): {rtt * 1e3:.3f} ms")
@@ -98,23 +107,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
           " no RPC, no DDP\n")
 
     rows = []
-    for trainers in trainer_counts:
-        for batch in batch_sizes:
-            ddp_args = ddp_parser().parse_args([
-                "--world_size", str(trainers + 2), "--epochs", "1",
-                "--batches_per_epoch", str(args.warmup + iters), "--batch_size", str(batch),
-                "--seed", str(args.seed), "--device", "cpu"])
-            ddp_check(ddp_parser(), ddp_args)
-            dist = launch_timed(run_worker, ddp_args, args.warmup)
-            assert len(dist) == trainers, f"{len(dist)} of {trainers} trainers reported times"
-            config = TrainConfig(1, args.warmup + iters, batch, ddp_args.lr, args.seed)
-            with threads(distkit.threads_per_process(trainers + 2)):
-                local = time_local(config, args.warmup)
-            row = summarize(f"{trainers}x{batch}", dist, local, rtt)
-            row["comm share"] = row.pop("rpc share")
-            rows.append({**row, "trainers": trainers, "batch": batch,
-                         "samples/s": round(trainers * batch * row["it/s"]),
-                         "local samples/s": round(batch * row["local it/s"])})
+    for trainers, batch, ddp_args in runs:
+        dist = launch_timed(run_worker, ddp_args, args.warmup)
+        assert len(dist) == trainers, f"{len(dist)} of {trainers} trainers reported times"
+        config = TrainConfig(1, args.warmup + iters, batch, ddp_args.lr, args.seed)
+        with threads(distkit.threads_per_process(trainers + 2)):
+            local = time_local(config, args.warmup)
+        row = summarize(f"{trainers}x{batch}", dist, local, rtt)
+        row["comm share"] = row.pop("rpc share")
+        rows.append({**row, "trainers": trainers, "batch": batch,
+                     "samples/s": round(trainers * batch * row["it/s"]),
+                     "local samples/s": round(batch * row["local it/s"])})
     print_tables(rows, ["trainers", "batch", "samples/s", "local samples/s"], "comm share")
     plot(args.plot, rows, "ddp_rpc: where a trainer's iteration goes (trainers x batch)", rest="comm")
     assert all(math.isfinite(r[k]) for r in rows for k in ("it/s", "local it/s", "comm share"))

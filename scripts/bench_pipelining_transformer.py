@@ -53,7 +53,8 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 import pipelining_transformer.main as example  # noqa: E402
-from benchlib import describe_machine, format_table, median, save_plot  # noqa: E402
+from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
+from pipelining_transformer.cli import layer_count  # noqa: E402
 from pipelining_transformer.main import PipelineRank  # noqa: E402
 from pipelining_transformer.model import (  # noqa: E402
     Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn)
@@ -384,6 +385,20 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def split_spec(text: str) -> str:
+    """One --stage_layers value: even, auto, or layer counts per stage joined by commas, each
+    count checked by the example's own ``layer_count`` (a whole or half number)."""
+    if text in ("even", "auto"):
+        return text
+    if "," not in text and not _is_number(text) or "auto" in text.split(","):
+        raise argparse.ArgumentTypeError(
+            f"a split is even, auto or layer counts per stage joined by commas (5,3 or 4.5,3.5), "
+            f"got {text!r}")
+    for count in text.split(","):
+        layer_count(count)  # its one line if not a count
+    return text
+
+
 def split_label(label: str, ranks: dict[int, dict]) -> str:
     """``auto`` with what it chose on the ranks: ``auto: 4.5 3.5``."""
     chosen = ranks[0].get("stage_layers")
@@ -415,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", nargs=4, type=int, default=None, metavar=("DIM", "LAYERS", "HEADS", "VOCAB"),
                    help="model sizes (default: the tutorial's 512 8 8 10000; quick 256 8 8 10000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stage_layers", nargs="+", default=None, metavar="SPLIT",
+    p.add_argument("--stage_layers", nargs="+", type=split_spec, default=None, metavar="SPLIT",
                    help="the splits to run side by side: even, auto (balance.py), or counts per "
                         "stage joined by commas (5,3 or 4.5,3.5); '--stage_layers 5 3' alone is "
                         "the example's form, one split (default: even)")
@@ -434,9 +449,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     distkit.check_path(parser, "--plot", args.plot, "out_file")
     schedules = args.schedules or (QUICK_SCHEDULES if args.quick else list(SCHEDULES))
     microbatches = args.microbatches or ([2, 4] if args.quick else [2, 4, 8])
-    steps = args.steps or (4 if args.quick else 8)
-    if args.warmup < 1 or steps < args.warmup + 2:
+    steps = args.steps if args.steps is not None else (4 if args.quick else 8)
+    # under this script's flag names (the example's check_args, run on every configuration
+    # below before anything starts, would name its own: --n_microbatches, --dim)
+    check_at_least(parser, 1, {"--microbatches": microbatches, "--world_size": args.world_size,
+                               "--steps": steps, "--warmup": args.warmup, "--batch_size": args.batch_size,
+                               "--seq_len": args.seq_len, "--model": args.model})
+    check_at_least(parser, 0, {"--seed": args.seed})
+    if steps < args.warmup + 2:
         parser.error("--warmup must be at least 1 and --steps at least --warmup + 2")
+    if args.points and not args.sweep:
+        parser.error("--points needs --sweep")
+    if args.sweep and args.microbatches and len(args.microbatches) > 1:
+        parser.error(f"--sweep takes one --microbatches value, got {len(args.microbatches)}")
     dim, layers, heads, vocab = args.model or ((256, 8, 8, 10000) if args.quick else (512, 8, 8, 10000))
     if args.sweep:
         return sweep(args, parser, (dim, layers, heads, vocab))
@@ -453,13 +478,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if counts and len(counts) != n_stages:
                     problem = f"{len(counts)} counts for {n_stages} stages"
                 if problem and len(schedules) * len(microbatches) > 1:
-                    skipped.append(f"# skipped {schedule} m={m} ({label}): {problem}")
+                    skipped.append((label, schedule, m, problem))
                     continue  # e.g. DualPipeV with fewer micro-batches than stages
                 ex = example.build_parser().parse_args(
                     [*common, *flags, "--world_size", str(args.world_size), "--schedule", schedule,
                      "--n_microbatches", str(m)])
                 example.check_args(parser, ex)  # its one-line errors, before anything runs
                 jobs.append((label, schedule, m, ex))
+    # a split, schedule or m the user named that runs nowhere is a mistake, not a skip (issue
+    # 29: --stage_layers bogus once skipped every configuration and printed an empty table)
+    named = [("--stage_layers", 0, [label for label, _ in splits(args)] if args.stage_layers else [])]
+    named += [("--schedules", 1, schedules if args.schedules else []),
+              ("--microbatches", 2, microbatches if args.microbatches else [])]
+    for flag, i, values in named:
+        for value in values:
+            if not any(job[i] == value for job in jobs):
+                why = next(s[3] for s in skipped if s[i] == value)
+                parser.error(f"{flag} {value} runs in none of the configurations ({why})")
     threads = distkit.threads_per_process(args.world_size)
     local_args = example.build_parser().parse_args(
         [*common, "--world_size", "1", "--threads", str(threads * args.world_size)])
@@ -470,8 +505,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"# model dim {dim}, {layers} layers, {heads} heads, vocabulary {vocab}; batches of "
           f"{args.batch_size} x {args.seq_len} tokens; {steps} AdamW steps, {args.warmup} untimed; "
           f"splits: {', '.join(label for label, _ in splits(args))}")
-    for line in skipped:
-        print(line)
+    for label, schedule, m, problem in skipped:
+        print(f"# skipped {schedule} m={m} ({label}): {problem}")
     local = distkit.launch(local_worker, local_args)[0]
     # the same with one thread: on a busy machine a process's second thread waits for a core
     # at every parallel region, and "the same total threads" says more about the load

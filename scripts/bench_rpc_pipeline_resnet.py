@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 import rpc_pipeline_resnet.main as example  # noqa: E402
 import rpc_pipeline_resnet.pipelining as pp_example  # noqa: E402
-from benchlib import describe_machine, format_table, median  # noqa: E402
+from benchlib import check_at_least, describe_machine, format_table, median  # noqa: E402
 from pipelining_transformer.schedules import schedule_problem  # noqa: E402
 from rpc_pipeline_resnet.measure import classic_bound, cores, steady_malloc  # noqa: E402
 from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2  # noqa: E402
@@ -335,12 +335,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.reps = pick(args.reps, 1, 3)
     args.num_classes = pick(args.num_classes, 10, 1000)
     args.pp_threads = pick(args.pp_threads, [1], [1, 2])
-    if min(args.pp_threads) < 1:
-        parser.error("--pp_threads values must be at least 1")
-    if args.reps < 1:
-        parser.error("--reps must be at least 1")
-    if args.user_threads is not None and args.user_threads < 1:
-        parser.error("--user_threads must be at least 1")
+    # under this script's flag names (the example's check_args below would name its own)
+    check_at_least(parser, 1, {f"--{flag}": getattr(args, flag) for flag in (
+        "sizes", "sweep_splits", "table_size", "batch_size", "num_batches", "reps", "num_classes",
+        "user_threads", "pp_threads")})
+    check_at_least(parser, 0, {"--seed": args.seed})
     # smallest images first: a row's peak memory is its own unless a smaller one needed more
     configs = sorted({(s, args.sweep_splits) for s in args.sizes}
                      | {(args.table_size, m) for m in args.splits})

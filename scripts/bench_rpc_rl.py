@@ -19,7 +19,7 @@ import torch.distributed.rpc as rpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
-from benchlib import describe_machine, format_table, median, save_plot  # noqa: E402
+from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
 from rpc_rl.main import build_parser as rl_parser, check_args as rl_check, run_worker  # noqa: E402
 
 
@@ -45,12 +45,17 @@ def rtt_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float] 
     return times
 
 
-def rl_run(world_size: int, batch: bool, max_episodes: int, threshold: float, seed: int) -> dict:
-    parser = rl_parser()
+def rl_args(parser: argparse.ArgumentParser, world_size: int, batch: bool, max_episodes: int,
+            threshold: float, seed: int) -> argparse.Namespace:
+    """One run's flags, checked by the example's own ``check_args`` (one line under ``parser``)."""
     argv = ["--world_size", str(world_size), "--max_episodes", str(max_episodes),
             "--reward_threshold", str(threshold), "--log_interval", str(10**6), "--seed", str(seed)]
-    args = parser.parse_args(argv + (["--batch"] if batch else []))
+    args = rl_parser().parse_args(argv + (["--batch"] if batch else []))
     rl_check(parser, args)
+    return args
+
+
+def rl_run(args: argparse.Namespace) -> dict:
     return distkit.launch(run_worker, args)[0]
 
 
@@ -85,11 +90,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     distkit.check_path(parser, "--plot", args.plot, "out_file")
     q = args.quick
     sizes = args.world_sizes or ([2, 5] if q else [2, 3, 5])
-    speed_episodes = args.speed_episodes or (8 if q else 30)
+    speed_episodes = args.speed_episodes if args.speed_episodes is not None else (8 if q else 30)
     solve_sizes = args.solve_sizes if args.solve_sizes is not None else ([3] if q else [2, 3, 5])
-    threshold = args.threshold or (100.0 if q else 475.0)
-    if min(sizes + solve_sizes + [2]) < 2 or speed_episodes < 1 or args.rtt_calls < 1:
-        parser.error("world sizes must be >= 2, episodes and calls >= 1")
+    threshold = args.threshold if args.threshold is not None else (100.0 if q else 475.0)
+    check_at_least(parser, 2, {"--world_sizes": sizes, "--solve_sizes": solve_sizes})
+    check_at_least(parser, 1, {"--speed_episodes": speed_episodes, "--max_episodes": args.max_episodes,
+                               "--rtt_calls": args.rtt_calls})
+    check_at_least(parser, 0, {"--seed": args.seed})
+    if not 0 < threshold <= 500:  # the example's --reward_threshold range; false for nan too
+        parser.error(f"--threshold must be in (0, 500], got {threshold}")
+    # every run's flags, checked by the example's own check_args before anything runs
+    # (speed runs: threshold 500, never "solved", so each runs all its episodes)
+    speed_runs = [(ws, batch, rl_args(parser, ws, batch, speed_episodes, 500.0, args.seed))
+                  for ws in sizes for batch in (False, True)]
+    solve_runs = [(ws, batch, rl_args(parser, ws, batch, args.max_episodes, threshold, args.seed))
+                  for ws in solve_sizes for batch in (False, True)]
     print(describe_machine(max(sizes + solve_sizes)))
 
     rtt_args = argparse.Namespace(world_size=2, ranks=None, master_addr=None, master_port=None,
@@ -100,30 +115,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f" {1 / rtt:.0f} with 1\n")
 
     rows = []
-    for ws in sizes:
-        base = None
-        for batch in (False, True):
-            r = rl_run(ws, batch, speed_episodes, 500.0, args.seed)  # 500: never "solved"
-            rate = r["env_steps"] / r["seconds"]
-            base = base or rate
-            bound = (ws - 1) / ((1 if batch else 2) * rtt)
-            rows.append({"table": "speed", "world_size": ws, "observers": ws - 1,
-                         "mode": "batch" if batch else "tutorial", "episodes": r["episodes"],
-                         "env_steps": r["env_steps"], "steps/s": rate, "speed-up": rate / base,
-                         "rpc bound steps/s": bound, "of bound": rate / bound})
+    base = None
+    for ws, batch, run_args in speed_runs:
+        r = rl_run(run_args)
+        rate = r["env_steps"] / r["seconds"]
+        base = rate if not batch else base  # the tutorial's rate at this world size
+        bound = (ws - 1) / ((1 if batch else 2) * rtt)
+        rows.append({"table": "speed", "world_size": ws, "observers": ws - 1,
+                     "mode": "batch" if batch else "tutorial", "episodes": r["episodes"],
+                     "env_steps": r["env_steps"], "steps/s": rate, "speed-up": rate / base,
+                     "rpc bound steps/s": bound, "of bound": rate / bound})
     print(format_table(["world_size", "observers", "mode", "episodes", "env_steps", "steps/s",
                         "speed-up", "rpc bound steps/s", "of bound"], rows))
 
     curves = {}
     solve_rows = []
-    for ws in solve_sizes:
-        for batch in (False, True):
-            r = rl_run(ws, batch, args.max_episodes, threshold, args.seed)
-            mode = "batch" if batch else "tutorial"
-            curves[f"{ws - 1} obs, {mode}"] = running_rewards(r["rewards"])
-            solve_rows.append({"table": "solve", "world_size": ws, "mode": mode,
-                               "solved": r["solved"], "episodes": r["episodes"],
-                               "seconds": r["seconds"], "steps/s": r["env_steps"] / r["seconds"]})
+    for ws, batch, run_args in solve_runs:
+        r = rl_run(run_args)
+        mode = "batch" if batch else "tutorial"
+        curves[f"{ws - 1} obs, {mode}"] = running_rewards(r["rewards"])
+        solve_rows.append({"table": "solve", "world_size": ws, "mode": mode,
+                           "solved": r["solved"], "episodes": r["episodes"],
+                           "seconds": r["seconds"], "steps/s": r["env_steps"] / r["seconds"]})
     if solve_rows:
         print(f"\n# training until the running reward passes {threshold:g} "
               f"(at most {args.max_episodes} episodes)")

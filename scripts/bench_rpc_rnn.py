@@ -45,7 +45,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
-from benchlib import describe_machine, format_table, median, save_plot  # noqa: E402
+from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
 from rpc_rnn.main import build_parser as rnn_parser, check_args as rnn_check  # noqa: E402
 from rpc_rnn.main import get_next_batch, make_stream, run_worker  # noqa: E402
 from rpc_rnn.rnn import Decoder, EmbeddingTable  # noqa: E402
@@ -259,8 +259,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     distkit.check_path(parser, "--plot", args.plot, "out_file")
     configs = args.configs or (["default", "medium"] if args.quick else ["default", "medium", "large"])
     iters = (30 if args.quick else 100) if args.iters is None else args.iters
-    if iters < 1 or args.warmup < 1 or args.rtt_calls < 1:
-        parser.error("--iters, --warmup and --rtt_calls must be at least 1")
+    check_at_least(parser, 1, {"--iters": iters, "--warmup": args.warmup, "--rtt_calls": args.rtt_calls})
+    check_at_least(parser, 0, {"--seed": args.seed})
+    runs = []  # every run's flags, checked by the example's own check_args before anything runs
+    for name in configs:
+        sizes = [x for k, v in CONFIGS[name].items() for x in (f"--{k}", str(v))]
+        rnn_args = rnn_parser().parse_args([*sizes, "--epochs", "1", "--batches", str(args.warmup + iters),
+                                            "--seed", str(args.seed), "--device", "cpu"])
+        rnn_check(parser, rnn_args)
+        runs.append((name, rnn_args))
     n_threads = distkit.threads_per_process(2)
     print(describe_machine(2, n_threads))
     rtt = rpc_round_trip(args.rtt_calls)
@@ -268,11 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"# local: the same modules and batches in one process, {n_threads} thread(s), no RPC\n")
 
     rows = []
-    for name in configs:
-        sizes = [x for k, v in CONFIGS[name].items() for x in (f"--{k}", str(v))]
-        rnn_args = rnn_parser().parse_args([*sizes, "--epochs", "1", "--batches", str(args.warmup + iters),
-                                            "--seed", str(args.seed), "--device", "cpu"])
-        rnn_check(rnn_parser(), rnn_args)
+    for name, rnn_args in runs:
         dist = launch_timed(run_worker, rnn_args, args.warmup)
         with threads(n_threads):
             local = time_local(rnn_args, args.warmup)

@@ -1,10 +1,17 @@
-"""What every benchmark script shares: a machine header, a table, an optional plot.
+"""What every benchmark script shares: a machine header, a table, an optional plot, and
+the check of its counts.
 
 Benchmarks print; tests never time anything. Each script's ``main(argv)`` returns its
 table rows so the test suite can run it once on a tiny configuration and check the table.
+
+Every benchmark refuses bad input as the examples do, and before anything runs: its parser
+is ``distkit.ArgumentParser`` (one line, exit status 2), ``check_at_least`` checks its own
+counts, and every configuration it will run is parsed and checked up front by the example's
+own ``build_parser`` and ``check_args`` (tests/test_bench_flags.py).
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import platform
@@ -15,6 +22,16 @@ from pathlib import Path
 import torch
 
 import distkit
+
+
+def check_at_least(parser: argparse.ArgumentParser, minimum: int,
+                   values: dict[str, int | Sequence[int] | None]) -> None:
+    """``parser.error`` (one line, exit 2) unless each flag's value, or every one of its
+    values, is at least ``minimum``; None: the flag was not given and its default holds."""
+    for flag, value in values.items():
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and v < minimum:
+                parser.error(f"{flag} must be at least {minimum}, got {v}")
 
 
 def describe_machine(processes: int, threads: int | None = None) -> str:
