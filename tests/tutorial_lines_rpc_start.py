@@ -126,7 +126,7 @@ RPC_RL_TUTORIAL = [
     ("break", "stop when solved"),
     ("rpc.init_rpc(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size)",
      "other ranks are observers: `rpc.init_rpc(OBSERVER_NAME.format(rank), ...)`"),
-    ("rpc.shutdown()", "`rpc.shutdown()` (agent)"),
+    ("rpc.shutdown()", "block until all rpcs finish: `rpc.shutdown()`"),
     ("mp.spawn(run_worker, args=(args.world_size, ), nprocs=args.world_size, join=True)", "`mp.spawn(run_worker, ...)`"),
 ]
 
