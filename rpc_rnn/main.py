@@ -114,8 +114,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
     stream = make_stream(args.ntoken, args.pattern_len, args.batch_size,
                          args.batches * args.seq_len + 1, args.seed)
     shape = (args.nlayers, args.batch_size, args.nhid)
-    record = TrainingRecord()
-    record.start(model)
+    record = TrainingRecord.start(model)  # beyond the tutorial: see rpc_rnn/record.py
     for epoch in range(args.epochs):
         # each epoch restarts the stream, so it restarts the LSTM state too
         hidden = (torch.zeros(shape), torch.zeros(shape))

@@ -39,10 +39,13 @@ class TrainingRecord:
         self._epoch: list[float] = []  # the current epoch's batch losses
         self._clock = 0.0
 
-    def start(self, model: RNNModel) -> None:
+    @classmethod
+    def start(cls, model: RNNModel) -> TrainingRecord:
         """Build phase: the parameters before training; the first epoch's clock starts."""
-        self.initial = parameter_copies(model)
-        self._clock = time.perf_counter()
+        record = cls()
+        record.initial = parameter_copies(model)
+        record._clock = time.perf_counter()
+        return record
 
     def step(self, loss: torch.Tensor) -> None:
         """Step phase: one batch's loss (a nan would poison every weight at the next step)."""
