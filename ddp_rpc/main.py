@@ -92,8 +92,8 @@ def run_master(args: argparse.Namespace) -> dict:
     # RemoteModule to, only hold a reference to it.
     remote_emb_module = RemoteModule("ps", torch.nn.EmbeddingBag,
                                      args=(NUM_EMBEDDINGS, EMBEDDING_DIM), kwargs={"mode": "sum"})
-    report = MasterReport(remote_emb_module, config)  # beyond the tutorial: the table, the time
-    log.info(f"Training on {trainers} trainers: {config}")
+    # beyond the tutorial: logs the start, keeps the table before training and starts the clock
+    report = MasterReport(remote_emb_module, config, trainers)
 
     # Run the training loop on trainers. timeout=0: a whole training run may take longer
     # than --rpc_timeout; wait_for_trainers bounds the wait for a trainer that hangs instead.

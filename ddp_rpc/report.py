@@ -3,12 +3,14 @@
 None of this is in the tutorial; it attaches to its functions from outside:
   - ``TrainerReport.watch`` hooks the trainer's loss function (a module forward hook) to
     record every batch's loss and stop on a non-finite one, and keeps ``fc`` before/after;
-  - ``MasterReport`` keeps the embedding table as created and after training, and the time;
+  - ``MasterReport`` logs the start, keeps the embedding table as created and after
+    training, and the time;
   - ``wait_for_trainers`` is the master's "wait for all training to finish", failing fast;
   - ``print_summary`` is what ``main`` prints at the end.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +21,8 @@ from torch.distributed.nn import RemoteModule
 from torch.distributed.rpc import RRef
 
 import distkit
+
+log = logging.getLogger(__name__)
 
 # The trainer's HybridModel is typed as a Module here: trainer.py imports this module, and an
 # import back (even for type hints only) would make the two a circle (tests/test_distkit.py)
@@ -76,7 +80,8 @@ def _embedding_weight(module_rref: RRef) -> torch.Tensor:
 class MasterReport:
     """The master's view of a run: the table before and after training, the time, the reports."""
 
-    def __init__(self, remote_emb_module: RemoteModule, config: object) -> None:
+    def __init__(self, remote_emb_module: RemoteModule, config: object, trainers: int) -> None:
+        log.info(f"Training on {trainers} trainers: {config}")
         self.table = remote_emb_module.get_module_rref()
         self.config = config
         self.emb_before = rpc.rpc_sync(self.table.owner(), _embedding_weight, args=(self.table,))

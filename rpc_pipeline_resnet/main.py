@@ -22,7 +22,7 @@ beside the machine's bound (and the classic two-stage 2m/(m+1)). Measured timeli
 
 The tutorial's model is in model.py, its training loop (``run_master``) and ``run_worker``
 here. What is measured (measure.py: clocks, CPU time, page faults; trace.py: --trace spans)
-attaches from outside: ``run_worker`` hands ``run_master`` a ``Meter`` as ``on_batch``.
+attaches from outside: ``measured`` hands ``run_master`` a ``Meter`` as ``on_batch``.
 """
 from __future__ import annotations
 
@@ -188,31 +188,43 @@ def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOpt
                                            _transports=["uv"])
 
 
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
-    """Rank 0 is the master and trains; ranks 1 and 2 host the shards and wait for its RPCs.
-
-    The master trains one fresh model per --splits value; returns (rank 0) one measured
-    run per value (measure.Meter.result).
-    """
+def set_up_process(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    """Beyond the tutorial, in every process before RPC starts (``run_worker``'s one call)."""
     if not args.default_malloc:
         steady_malloc()  # before the large tensors: see measure.py
     torch.manual_seed(args.seed + worker.rank)
     distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
+    if worker.rank != 0 and args.threads is None:
+        # the master only computes the loss: the two shards share this machine's cores
+        # (one thread each on 2 cores), so both can run at the same time
+        torch.set_num_threads(distkit.threads_per_process(min(2, worker.local_world_size)))
+
+
+def measured(train: Callable[..., list[float]], num_split: int, args: argparse.Namespace) -> dict:
+    """``train(num_split, args, on_batch=meter)`` (the tutorial's ``run_master``) with a fresh
+    ``Meter`` around every batch: clocks, CPU time and page faults, spans with --trace.
+    Returns the measured run (``Meter.result``): its losses, times and counters."""
+    meter = Meter(args, tracer=Tracer() if args.trace is not None else None)
+    losses = train(num_split, args, on_batch=meter)
+    return meter.result(num_split, losses)
+
+
+def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
+    """Rank 0 is the master and trains; ranks 1 and 2 host the shards and wait for its RPCs.
+
+    The master trains one fresh model per --splits value; returns (rank 0) one measured
+    run per value. What goes beyond the tutorial enters through ``set_up_process`` (before
+    RPC) and ``measured`` (around each ``run_master``).
+    """
+    set_up_process(worker, args)
     options = rpc_backend_options(args)
     if worker.rank == 0:
         rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)
         runs = []
         for num_split in args.splits:
-            # clocks, CPU time and page faults around every batch; spans with --trace
-            meter = Meter(args, tracer=Tracer() if args.trace is not None else None)
-            losses = run_master(num_split, args, on_batch=meter)
-            runs.append(meter.result(num_split, losses))
+            runs.append(measured(run_master, num_split, args))
             log.info(f"number of splits = {num_split}, execution time = {runs[-1]['time']}")
     else:
-        if args.threads is None:
-            # the master only computes the loss: the two shards share this machine's cores
-            # (one thread each on 2 cores), so both can run at the same time
-            torch.set_num_threads(distkit.threads_per_process(min(2, worker.local_world_size)))
         rpc.init_rpc(f"worker{worker.rank}", rank=worker.rank, world_size=worker.world_size,
                      rpc_backend_options=options)
         runs = None

@@ -1,6 +1,6 @@
 """Measurement around the tutorial's loop: timings, CPU work, page faults, the machine's bound.
 
-``Meter`` is what ``run_worker`` hands to ``run_master`` as ``on_batch``: it wraps every batch
+``Meter`` is what ``main.measured`` hands to ``run_master`` as ``on_batch``: it wraps every batch
 with clocks and every process's CPU time and page faults (and, with ``--trace``, a
 ``trace.Tracer``), and ``Meter.result`` gathers them with the losses into one run's dict.
 ``print_report`` prints the table ``main`` shows.

@@ -25,10 +25,9 @@ import torch
 import torch.distributed.rpc as rpc
 
 import distkit
-from rpc_rl.agent import AGENT_NAME, OBSERVER_NAME, Agent
-from rpc_rl.batched import BatchAgent
-from rpc_rl.play import load_policy, play, save_policy
-from rpc_rl.record import EpisodeRecord
+from rpc_rl.agent import AGENT_NAME, OBSERVER_NAME
+from rpc_rl.play import load_policy, play
+from rpc_rl.record import AgentRun
 
 log = logging.getLogger(__name__)
 
@@ -84,49 +83,42 @@ def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Place
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    """Rank 0 trains as the agent; every other rank waits to serve as an observer."""
+    """Rank 0 trains as the agent; every other rank waits to serve as an observer.
+
+    What goes beyond the tutorial enters through one ``AgentRun`` (rpc_rl/record.py): its
+    ``build_agent`` (the seed, --batch, --reward_threshold, the record of every episode) and
+    its ``finish`` (--save, the result the agent returns).
+    """
     # TCP only: TensorPipe's shared-memory transport busy-polls, a cost five processes on a
     # small CPU cannot afford (and the one that runs between machines anyway)
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout, _transports=["uv"])
-    if worker.rank != 0:
+    if worker.rank == 0:
+        # rank 0 is the agent
+        rpc.init_rpc(AGENT_NAME, rank=0, world_size=worker.world_size, rpc_backend_options=options)
+        run = AgentRun(args)
+        agent = run.build_agent(worker.world_size)
+        log.info(f"This will run until reward threshold of {agent.reward_threshold} is reached "
+                 f"or {args.max_episodes} episodes have run.")
+        for i_episode in range(1, args.max_episodes + 1):
+            agent.run_episode()
+            last_reward = agent.finish_episode()
+
+            if i_episode % args.log_interval == 0:
+                log.info(f"Episode {i_episode}\tLast reward: {last_reward:.2f}\tAverage reward: "
+                         f"{agent.running_reward:.2f}")
+            if agent.running_reward > agent.reward_threshold:
+                log.info(f"Solved! Running reward is now {agent.running_reward}!")
+                break
+        result = run.finish(agent)
+    else:
+        # other ranks are the observers
         rpc.init_rpc(OBSERVER_NAME.format(worker.rank), rank=worker.rank,
                      world_size=worker.world_size, rpc_backend_options=options)
-        # observers passively wait for the agent's instructions; shutdown blocks until
-        # every outstanding RPC of the job has finished
-        rpc.shutdown()
-        return None
-
-    rpc.init_rpc(AGENT_NAME, rank=0, world_size=worker.world_size, rpc_backend_options=options)
-    # the agent samples every action and applies dropout, so its seed fixes the run
-    # (fully so with one observer; several observers' RPCs interleave in any order)
-    torch.manual_seed(args.seed)
-    agent = (BatchAgent if args.batch else Agent)(worker.world_size, args.gamma, args.seed)
-    if args.reward_threshold is not None:
-        agent.reward_threshold = args.reward_threshold
-    # rewards, environment steps and seconds, counted outside the loop (rpc_rl/record.py)
-    record = EpisodeRecord.attach(agent)
-    log.info(f"This will run until reward threshold of {agent.reward_threshold} is reached "
-             f"or {args.max_episodes} episodes have run.")
-    for i_episode in range(1, args.max_episodes + 1):
-        agent.run_episode()
-        last_reward = agent.finish_episode()
-
-        if i_episode % args.log_interval == 0:
-            log.info(f"Episode {i_episode}\tLast reward: {last_reward:.2f}\tAverage reward: "
-                     f"{agent.running_reward:.2f}")
-        if agent.running_reward > agent.reward_threshold:
-            log.info(f"Solved! Running reward is now {agent.running_reward}!")
-            break
-    if args.save:
-        save_policy(agent.policy, args.save, episodes=len(record.rewards),
-                    running_reward=agent.running_reward)
-        log.info(f"Policy saved to {args.save}")
+        # observers passively wait for the agent's instructions
+        result = None
+    # block until all rpcs finish (every outstanding RPC of the job), and shut RPC down
     rpc.shutdown()
-    return {"solved": agent.running_reward > agent.reward_threshold,
-            "episodes": len(record.rewards), "rewards": record.rewards,
-            "running_reward": agent.running_reward, "threshold": agent.reward_threshold,
-            "env_steps": record.env_steps, "seconds": record.seconds,
-            "policy": agent.policy.state_dict()}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

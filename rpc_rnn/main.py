@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from collections.abc import Iterator
 
 import torch
@@ -29,6 +28,7 @@ import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
 
 import distkit
+from rpc_rnn.record import TrainingRecord
 from rpc_rnn.rnn import PS_NAME, TRAINER_NAME, RNNModel
 
 log = logging.getLogger(__name__)
@@ -100,25 +100,24 @@ def get_next_batch(stream: torch.Tensor, seq_len: int) -> Iterator[tuple[torch.T
 
 
 def run_trainer(args: argparse.Namespace) -> dict:
-    """The training loop (runs on the trainer).
+    """The tutorial's training loop (runs on the trainer), its sizes from the flags.
 
-    Returns the mean loss of every epoch, and every parameter before and after training
-    (what tests compare with one process training the same model).
+    What goes beyond the tutorial enters through ``record`` (rpc_rnn/record.py), one call per
+    phase: the parameters before training, every batch's loss, each epoch's mean loss and
+    seconds for its line, and the result (the losses, the parameters before and after).
     """
     model = RNNModel(PS_NAME, args.ntoken, args.ninp, args.nhid, args.nlayers,
                      args.dropout, args.device, seed=args.seed)
-    initial = model.parameter_copies()
     # one local SGD per parameter owner: one on ps (embedding, decoder), one here (LSTM)
     opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=args.lr)
     criterion = nn.CrossEntropyLoss()
     stream = make_stream(args.ntoken, args.pattern_len, args.batch_size,
                          args.batches * args.seq_len + 1, args.seed)
     shape = (args.nlayers, args.batch_size, args.nhid)
-    losses: list[float] = []
+    record = TrainingRecord.start(model)  # beyond the tutorial: see rpc_rnn/record.py
     for epoch in range(args.epochs):
         # each epoch restarts the stream, so it restarts the LSTM state too
         hidden = (torch.zeros(shape), torch.zeros(shape))
-        total, n, start = 0.0, 0, time.perf_counter()
         for data, target in get_next_batch(stream, args.seq_len):
             # create distributed autograd context
             with dist_autograd.context() as context_id:
@@ -133,11 +132,9 @@ def run_trainer(args: argparse.Namespace) -> dict:
                 opt.step(context_id)
                 # no zero_grad(): gradients are not accumulated into .grad but into this
                 # context, on every worker involved, and each iteration opens a new context.
-            total, n = total + distkit.check_finite(loss.item(), f"epoch {epoch}"), n + 1
-        losses.append(total / n)
-        log.info(f"Training epoch {epoch}\tloss {losses[-1]:.4f}\t"
-                 f"({time.perf_counter() - start:.2f} s)")
-    return {"losses": losses, "initial": initial, "final": model.parameter_copies()}
+            record.step(loss)
+        log.info(f"Training epoch {epoch}\t{record.end_epoch()}")
+    return record.result(model)
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:

@@ -44,11 +44,6 @@ def _parameter_rrefs(module: nn.Module) -> list[RRef]:
     return [RRef(param) for param in module.parameters()]
 
 
-def _parameter_copies(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A CPU copy of every parameter of ``module`` (runs on the owner)."""
-    return {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
-
-
 def _uniform_(weight: torch.Tensor, seed: int | None) -> None:
     """U(-0.1, 0.1), the tutorial's init, from ``seed``'s own generator when one is given.
 
@@ -134,9 +129,3 @@ class RNNModel(nn.Module):
         # get RRefs of decoder
         remote_params.extend(_remote_method(_parameter_rrefs, self.decoder_rref))
         return remote_params
-
-    def parameter_copies(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of every parameter, remote or local, named as in a one-process model."""
-        copies = _remote_method(_parameter_copies, self.emb_table_rref)  # encoder.weight
-        copies |= {f"rnn.{k}": v for k, v in _parameter_copies(self.rnn).items()}
-        return copies | _remote_method(_parameter_copies, self.decoder_rref)  # decoder.*

@@ -186,7 +186,7 @@ def test_eval_forward_matches_shards_in_one_process(job, k, one_thread):
 
 def _states_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
     """The example's run_worker, as main() launches it (so its run_master, the tutorial's
-    loop); the Meter it hands run_master also copies the shards' weights before the first
+    loop); the Meter ``measured`` hands run_master also copies the shards' weights before the first
     batch and after the last (patched in this spawned process only)."""
     example.Meter = functools.partial(Meter, states=True)
     return run_worker(worker, args)

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from tutorial_lines_ddp_rpc import DDP_RPC_TUTORIAL
+from tutorial_lines_rpc_pipeline_resnet import RPC_PIPELINE_RESNET_TUTORIAL
+from tutorial_lines_rpc_start import RPC_RL_TUTORIAL, RPC_RNN_TUTORIAL
 
 pytestmark = pytest.mark.fast
 
@@ -248,7 +251,10 @@ PIPELINING_TUTORIAL = [
     ("dist.destroy_process_group()", "`dist.destroy_process_group()`"),
     ("torchrun --nnodes 1 --nproc_per_node 2 pipelining_tutorial.py", "`torchrun --nnodes 1 --nproc_per_node 2 ...`"),
 ]
-TUTORIAL_LINES = {"pipelining_transformer": PIPELINING_TUTORIAL}
+# the four RPC tutorials' lines, in the same form, are in tests/tutorial_lines_*.py
+TUTORIAL_LINES = {"pipelining_transformer": PIPELINING_TUTORIAL, "ddp_rpc": DDP_RPC_TUTORIAL,
+                  "rpc_rl": RPC_RL_TUTORIAL, "rpc_rnn": RPC_RNN_TUTORIAL,
+                  "rpc_pipeline_resnet": RPC_PIPELINE_RESNET_TUTORIAL}
 
 
 def uncovered(readme: Path, lines: list[tuple[str, str]]) -> list[str]:
