@@ -71,6 +71,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--gamma must be in (0, 1], got {args.gamma}")
     if args.play_episodes < 1:
         parser.error(f"--play_episodes must be at least 1, got {args.play_episodes}")
+    if args.seed < 0:  # an observer's environment is seeded with seed + rank: numpy needs >= 0
+        parser.error(f"--seed must be at least 0, got {args.seed}")
     distkit.check_path(parser, "--play", args.play, "in_file")
     distkit.check_path(parser, "--save", args.save, "out_file")
     distkit.check_placements(parser, args, placement)

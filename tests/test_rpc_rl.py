@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributions import Categorical
 
 import distkit
-from conftest import run_cli, run_torchrun
+from conftest import refused_before_launch, run_cli, run_torchrun
 from rpc_rl.agent import AGENT_NAME, Agent, Policy, discounted_returns
 from rpc_rl.batched import BatchAgent, BatchObserver
 from rpc_rl.main import build_parser, check_args, run_worker
@@ -313,6 +313,14 @@ def test_bad_input_is_one_line_exit_2(argv, message):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert "[rank" not in proc.stdout  # nothing was spawned
+
+
+def test_a_negative_seed_is_refused(capsys, monkeypatch):
+    """An observer's environment is reset with seed + rank, which gymnasium refuses below 0:
+    --seed -2 failed on rank 1 after the launch (found by tests/test_bench_flags.py)."""
+    from rpc_rl.main import main
+
+    assert "--seed must be at least 0" in refused_before_launch(main, ["--seed", "-2"], capsys, monkeypatch)
 
 
 def test_save_then_play(tmp_path):
