@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import distkit
 from conftest import refused_before_launch, run_cli, run_torchrun
-from pipelining_transformer import extras
+from pipelining_transformer import callbacks
 from pipelining_transformer.main import build_parser, check_args, init_distributed, main, model_args_from, train
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 from pipelining_transformer.balance import HalfLayer, choose_split
@@ -118,7 +118,7 @@ def test_stage_placement_follows_each_schedule():
     assert stage_indices_for("DualPipeV", 3, 4) == [3, 4]
 
 
-class Recorder(extras.StepCallback):
+class Recorder(callbacks.StepCallback):
     """What a step of ``main.train`` left on this rank: the micro-batch losses the schedule
     returned, the batch loss computed from them, the loss handed to the callbacks (the one
     the run reports, None elsewhere), and each parameter's gradient and value after the step.
@@ -138,8 +138,8 @@ class Recorder(extras.StepCallback):
                 self.out["losses"] = torch.stack(losses).detach().cpu()
             return losses
 
-        def recording_batch_loss(losses):
-            self.out["batch_loss"] = batch_loss(losses)
+        def recording_batch_loss(losses, step):
+            self.out["batch_loss"] = batch_loss(losses, step)  # None where no last stage is
             return self.out["batch_loss"]
 
         pp.forward_backward, pp.batch_loss = recording_step, recording_batch_loss
@@ -174,9 +174,9 @@ def train_recorded(args: argparse.Namespace, env, whole=_copy) -> dict:
     logger.addHandler(said)
     recorders = []
 
-    def with_recorder(a: argparse.Namespace, pp) -> list[extras.StepCallback]:
+    def with_recorder(a: argparse.Namespace, pp) -> list[callbacks.StepCallback]:
         recorders.append(Recorder(pp, whole))
-        return [*extras.callbacks_for(a, pp), recorders[-1]]
+        return [*callbacks.callbacks_for(a, pp), recorders[-1]]
 
     loss_log = os.path.join(tempfile.mkdtemp(), "losses.jsonl")
     try:
