@@ -10,7 +10,6 @@ can run a micro-batch count.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch.distributed.pipelining as pipelining
@@ -77,11 +76,6 @@ def stage_bounds(n_layers: int, num_stages: int, sizes: Sequence[float] | None =
     for n in sizes:
         bounds.append(bounds[-1] + n)
     return list(zip(bounds, bounds[1:]))
-
-
-def layer_ranges(n_layers: int, num_stages: int, sizes: Sequence[float] | None = None) -> list[range]:
-    """The layers each stage holds, whole or half (see ``stage_bounds``)."""
-    return [range(math.floor(a), math.ceil(b)) for a, b in stage_bounds(n_layers, num_stages, sizes)]
 
 
 class _StubStage:
