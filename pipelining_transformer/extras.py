@@ -19,8 +19,10 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from pipelining_transformer import checkpoint, dp, workarounds
@@ -30,8 +32,19 @@ from pipelining_transformer.cli import layout_from
 log = logging.getLogger(__name__)
 
 
-def on_build(stages: list[PipelineStage], args: argparse.Namespace, env) -> list[PipelineStage]:
-    """The build phase's extras, on the stages the tutorial's split built (``env``: main.DistEnv)."""
+class Replica(Protocol):
+    """A rank's place among the pipeline replicas: ``main.DistEnv`` (a protocol, so that this
+    module needs no main, which imports it)."""
+
+    dp_size: int
+    mesh: DeviceMesh | None
+
+    @property
+    def dp_rank(self) -> int: ...
+
+
+def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: Replica) -> list[PipelineStage]:
+    """The build phase's extras, on the stages the tutorial's split built."""
     for stage in stages:
         workarounds.apply(stage)  # torch's pipelining on gloo (workarounds.py)
         if env.dp_size > 1:
