@@ -13,9 +13,9 @@ projection and the loss alone (useful in the multi-stage schedules).
 ``auto_split`` measures, on every rank with the run's own micro-batch shape and threads,
 forward + backward of each piece (the embedding, each layer's two halves, the head with
 the loss), averages the ranks' figures so that all choose the same, and ``choose_split``
-picks the contiguous split whose slowest stage is the fastest (``main.build_rank`` then
-cuts the model there; ``extras.StageCosts`` prints the prediction beside what the run
-measured).
+picks the contiguous split whose slowest stage is the fastest (``layout.stage_layout``
+makes it part of the stage layout that ``main.build_rank`` cuts the model by;
+``callbacks.StageCosts`` prints the prediction beside what the run measured).
 """
 from __future__ import annotations
 

@@ -3,17 +3,22 @@
 ``main.build_parser`` holds the tutorial's own knobs (schedule, split, micro-batches, sizes);
 ``add_extra_args`` adds the flags of what is layered on it (--stage_layers, --dp_size,
 --loss_log, --trace, checkpoints). ``check_args`` refuses, in one line and before any
-process starts, what the ranks would fail on later.
+process starts, what the ranks would fail on later. What the flags decide in a rank is
+here too: where it runs (``placement`` before launch, ``rank_placement`` in the rank), the
+model's sizes, and what a checkpoint records of the run (``data_settings_from``,
+``layout_from``).
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 
 import distkit
 from pipelining_transformer import checkpoint
+from pipelining_transformer.layout import StageLayout
 from pipelining_transformer.model import ModelArgs
 from pipelining_transformer.schedules import SCHEDULES, num_stages_for, schedule_problem, stage_bounds
 
@@ -104,7 +109,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.stage_layers is not None and "auto" in args.stage_layers:
         if len(args.stage_layers) > 1:
             parser.error("--stage_layers auto takes no counts beside it")
-        args.stage_layers = "auto"  # build_rank measures and chooses (balance.py)
+        args.stage_layers = "auto"  # layout.stage_layout measures and chooses (balance.py)
     elif args.stage_layers is not None:
         try:  # the division the ranks will make, made once here
             stage_bounds(args.n_layers, n_stages, args.stage_layers)
@@ -125,6 +130,22 @@ def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Place
     """Every rank a GPU of its own and NCCL, or every rank of the machine on the CPU with
     gloo (what ``main.init_distributed`` picks in the worker)."""
     return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
+
+
+def rank_placement(device_preference: str, rank: int, world_size: int) -> distkit.Placement:
+    """This rank's device and backend, as ``placement`` decided before launch; the same
+    backend on every machine, or a one-line error (``main.init_distributed`` calls it).
+
+    Never the tutorial's ``cuda:<rank>`` by fiat, never two ranks on one GPU: a GPU per
+    process on this machine (``LOCAL_RANK``'s), or the CPU for all of them.
+    """
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    where = distkit.group_placement(device_preference, local_rank, local_world_size)
+    distkit.agree_on_backend("pp", rank, world_size, where)
+    if where.device.type == "cuda":
+        torch.cuda.set_device(where.device)
+    return where
 
 
 def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -152,10 +173,11 @@ def data_settings_from(args: argparse.Namespace) -> dict[str, int]:
     return {flag: getattr(args, flag) for flag in checkpoint.DATA_FLAGS}
 
 
-def layout_from(args: argparse.Namespace, device: torch.device) -> str:
+def layout_from(args: argparse.Namespace, layout: StageLayout, device: torch.device) -> str:
     """What fixes each rank's random draws (its stages, micro-batches, device): a resume in
-    the same layout gets every rank's random state back, so its dropout masks too."""
-    layers = f" stage_layers={','.join(f'{n:g}' for n in args.stage_layers)}" if args.stage_layers else ""
+    the same layout gets every rank's random state back, so its dropout masks too. The
+    split is the stage layout's (the one auto chose, with --stage_layers auto)."""
+    layers = f" stage_layers={','.join(f'{n:g}' for n in layout.chosen)}" if layout.chosen else ""
     return (f"world_size={args.world_size} dp_size={args.dp_size} "
             f"schedule={args.schedule} split={args.split}{layers} "
             f"n_microbatches={args.n_microbatches} device={device.type}")

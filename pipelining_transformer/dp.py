@@ -1,17 +1,18 @@
 """``--dp_size``: pipeline x data parallelism, layered on the tutorial's one pipeline.
 
-``init_distributed`` lays the ranks out on a ("dp", "pp") device mesh: ``dp_size``
-pipeline replicas of ``world_size / dp_size`` ranks each (rank = dp_rank * pp_size +
-pp_rank). This module holds what only a run with replicas needs: each replica reads its
-share of every batch (``replica_rows``), its stages' gradients are averaged with the same
-stages of the other replicas (``shard_over_dp``, FSDP2), and the batch's loss is the mean
-over the replicas (``mean_over_replicas``). With ``dp_size`` 1 none of it runs.
+``init_distributed`` lays the ranks out on a ("dp", "pp") device mesh (``device_mesh``):
+``dp_size`` pipeline replicas of ``world_size / dp_size`` ranks each (rank = dp_rank *
+pp_size + pp_rank). The rest is what only a run with replicas needs: each replica reads its
+share of every batch (``replica_rows``, in ``main.train``), its stages' gradients are
+averaged with the same stages of the other replicas (``shard_over_dp``, FSDP2, in
+``extras.on_build``), and the batch's loss is the mean over the replicas
+(``mean_over_replicas``, in ``PipelineRank.batch_loss``). With ``dp_size`` 1 none of it runs.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 
@@ -33,13 +34,26 @@ def shard_over_dp(stage: PipelineStage, dp_mesh: DeviceMesh) -> None:
     fully_shard(stage.submod, mesh=dp_mesh, reshard_after_forward=False)
 
 
-def replica_rows(batch: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
-    """Replica ``dp_rank``'s share of a batch: the ``dp_rank``-th of ``dp_size`` contiguous slices.
+def device_mesh(device: torch.device, world_size: int, dp_size: int) -> DeviceMesh:
+    """The ("dp", "pp") mesh of ``dp_size`` pipelines of ``world_size / dp_size`` ranks each.
+
+    Row-major (rank = dp_rank * pp_size + pp_rank): each pipeline is a block of consecutive
+    ranks, and each "dp" group takes one rank from every pipeline. With ``dp_size`` 1 its
+    "pp" group is every rank: the tutorial's one pipeline.
+    """
+    if world_size % dp_size:
+        raise ValueError(f"world size {world_size} is not divisible by dp_size {dp_size}")
+    return init_device_mesh(device.type, (dp_size, world_size // dp_size), mesh_dim_names=("dp", "pp"))
+
+
+def replica_rows(batch: tuple[torch.Tensor, ...], dp_rank: int, dp_size: int) -> tuple[torch.Tensor, ...]:
+    """Replica ``dp_rank``'s share of a batch (the tokens and the targets): of each tensor,
+    the ``dp_rank``-th of ``dp_size`` contiguous slices.
 
     Contiguous, so that the replicas' micro-batches, in replica order, are the whole
     batch's micro-batches as one pipeline with dp_size times as many would cut them.
     """
-    return batch.chunk(dp_size)[dp_rank] if dp_size > 1 else batch
+    return tuple(t.chunk(dp_size)[dp_rank] for t in batch) if dp_size > 1 else batch
 
 
 def mean_over_replicas(loss: torch.Tensor, dp_size: int, dp_group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -1,203 +1,90 @@
-"""What is layered on the tutorial's training loop: step callbacks, resume, the exit status.
+"""What is layered on the tutorial's code: one hook per phase, each holding every extra of it.
 
-``main.train`` runs the tutorial's step and calls, around each one, the callbacks that
-``callbacks_for`` picks from the flags; none of them runs unless its flag asks for it:
+  build  ``on_build(stages, args, env)``: ``main.build_rank`` hands it the stages the
+         tutorial's split built, and goes on with what it returns: the stages worked
+         around for gloo (workarounds.py) and, with --dp_size, sharded over the replicas
+         (dp.py), each replica drawing dropout masks of its own
+  start  ``Hooks(args, pp, callbacks_for)``: ``main.train`` makes it once the rank is
+         built: it says where the stages are, resumes (--resume: ``first_step``) and
+         starts the step callbacks the flags ask for (callbacks.py)
+  step   ``Hooks.on_step_end(step, loss)``: after each step of ``main.train``
+  end    ``Hooks.on_train_end()``: the callbacks' last word; the run's summary, which
+         ``main.run_worker`` returns to the launcher and ``exit_status`` judges
 
-  ``LossLog``      --loss_log PATH: one JSON line per step, the loss at full precision
-  ``Checkpoints``  --checkpoint_dir DIR: a torch.distributed.checkpoint every K steps
-  ``Trace``        --trace DIR: every forward/backward/wait per rank (``timeline.py``)
-  ``StageCosts``   --stage_layers auto: each stage's predicted cost beside the measured one
-  ``Summary``      always: steps, seconds, peak memory and the first and last loss
-
-``resume`` (--resume) loads a checkpoint before the first step and says which step is next;
-``exit_status`` judges a finished run (1 if the loss of a run from step 0 did not fall).
+Without a flag, each hook does only what every run needs: the gloo workarounds, the summary.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import resource
 import sys
-import time
-from pathlib import Path
+from collections.abc import Callable
+from typing import Protocol
 
-import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
 
-from distkit.timeline import COMPUTE
-from pipelining_transformer import checkpoint
-from pipelining_transformer.cli import data_settings_from, layout_from
-from pipelining_transformer.timeline import PipelineTracer
+from pipelining_transformer import checkpoint, dp, workarounds
+from pipelining_transformer.callbacks import StepCallback, Summary, callbacks_for, parts_of
+from pipelining_transformer.cli import layout_from
 
 log = logging.getLogger(__name__)
 
 
-class StepCallback:
-    """Hooks ``main.train`` calls around every step; ``step`` is the 0-based batch index,
-    ``loss`` the batch's loss on the rank that reports it (None on every other rank)."""
+class Replica(Protocol):
+    """A rank's place among the pipeline replicas: ``main.DistEnv`` (a protocol, so that this
+    module needs no main, which imports it)."""
 
-    def on_step_begin(self, step: int) -> None:
-        pass
+    dp_size: int
+    mesh: DeviceMesh | None
 
-    def on_step_end(self, step: int, loss: float | None) -> None:
-        pass
-
-    def on_train_end(self) -> None:
-        pass
+    @property
+    def dp_rank(self) -> int: ...
 
 
-def _parts(pp) -> list:
-    """Each stage's module with its optimizer: what a checkpoint holds."""
-    return [(s.submod, opt) for s, opt in zip(pp.stages, pp.optimizers)]
+def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: Replica) -> list[PipelineStage]:
+    """The build phase's extras, on the stages the tutorial's split built."""
+    for stage in stages:
+        workarounds.apply(stage)  # torch's pipelining on gloo (workarounds.py)
+        if env.dp_size > 1:
+            dp.shard_over_dp(stage, env.mesh["dp"])  # before main.build_rank makes the optimizers
+    if env.dp_rank:
+        # the replicas' own dropout masks (replica 0 keeps those of a run without --dp_size);
+        # after the split, which draws no random numbers: the weights are every rank's same
+        torch.manual_seed(args.seed + 1_000_003 * env.dp_rank)
+    return stages
 
 
-class LossLog(StepCallback):
-    """--loss_log: appended to, so that a resumed run goes on with the file of the run it resumes."""
+class Hooks:
+    """The start, step and end hooks of ``main.train`` (see the module docstring)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as cli.check_args allowed
-        self.file = open(path, "a")
-
-    def on_step_end(self, step: int, loss: float | None) -> None:
-        if loss is not None:
-            try:  # one write of a whole line, flushed: a killed run leaves only whole lines
-                self.file.write(json.dumps({"step": step + 1, "loss": loss}) + "\n")
-                self.file.flush()
-            except OSError as e:  # a full disk: say where and when, not only errno
-                raise OSError(e.errno, f"--loss_log {self.path}: cannot write step {step + 1}: "
-                                       f"{e.strerror}") from e
-
-    def on_train_end(self) -> None:
-        self.file.close()
-
-
-class Checkpoints(StepCallback):
-    """--checkpoint_dir: save every --checkpoint_every steps and after the last (a collective)."""
-
-    def __init__(self, args: argparse.Namespace, pp) -> None:
-        self.args, self.parts = args, _parts(pp)
-        self.layout = layout_from(args, pp.device)
+    def __init__(self, args: argparse.Namespace, pp,
+                 callbacks_for: Callable[[argparse.Namespace, object], list[StepCallback]] = callbacks_for
+                 ) -> None:
+        self.args, self.pp = args, pp
+        replica = f", replica {pp.dp_rank} of {pp.dp_size}" if pp.dp_size > 1 else ""
+        log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
+                 f"({args.schedule}, {args.split} split{replica}) on {pp.device}")
+        self.first_step = resume(args, pp)  # 0 unless --resume finds a checkpoint
+        self.summary = Summary(args)
+        self.callbacks = [self.summary, *callbacks_for(args, pp)]
+        for callback in self.callbacks:
+            callback.on_train_begin(self.first_step)
 
     def on_step_end(self, step: int, loss: float | None) -> None:
-        done, every = step + 1, self.args.checkpoint_every
-        if done == self.args.steps or every and done % every == 0:
-            try:
-                path = checkpoint.save(self.args.checkpoint_dir, done, self.parts,
-                                       data_settings_from(self.args), self.layout)
-            # a full disk, a directory taken away: where, when, what is left (DCP's
-            # CheckpointException is a BaseException, the others' errors gathered on each rank)
-            except (Exception, CheckpointException) as e:
-                previous = checkpoint.latest_complete(self.args.checkpoint_dir)
-                raise RuntimeError(f"--checkpoint_dir {self.args.checkpoint_dir}: cannot save step "
-                                   f"{done} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); the newest complete checkpoint "
-                                   f"is {previous or 'none'} (--resume goes on from it)") from e
-            log.info(f"checkpoint {path} complete")
+        for callback in self.callbacks:
+            callback.on_step_end(step, loss)
 
-
-class Trace(StepCallback):
-    """--trace: each ``forward_backward`` becomes a "step" span, the stages' compute and
-    waits spans inside it; at the end the files and the drawing (``timeline.py``). Also on,
-    without files, for ``StageCosts``."""
-
-    def __init__(self, args: argparse.Namespace, pp) -> None:
-        self.args, self.step = args, 0
-        self.tracer = PipelineTracer(dist.get_rank())
-        inner = pp.forward_backward
-
-        def traced(*a, **kw):
-            with self.tracer.step(self.step):
-                return inner(*a, **kw)
-
-        pp.forward_backward = traced  # this rank object only; the class is untouched
-
-    def on_step_begin(self, step: int) -> None:
-        self.step = step
-
-    def on_train_end(self) -> None:
-        if self.args.trace:
-            self.tracer.finish(self.args.trace, self.args.schedule, self.args.n_microbatches)
-        else:
-            self.tracer.stop()
-
-
-class StageCosts(StepCallback):
-    """--stage_layers auto: each stage's cost per micro-batch as balance.py predicted it
-    and as the run measured it (forward + backward spans of the steps after the first),
-    logged once at the end, beside each other."""
-
-    def __init__(self, pp, trace: Trace, n_microbatches: int) -> None:
-        self.predicted = dict(enumerate(pp.auto_split.predicted_ms))  # by stage index
-        self.trace, self.m = trace, n_microbatches
-        self.steps = self.first_step_end = 0  # spans before it belong to the first step (warm-up)
-
-    def on_step_end(self, step: int, loss: float | None) -> None:
-        self.steps += 1
-        if self.steps == 1:
-            self.first_step_end = len(self.trace.tracer.recorder.spans)
-
-    def on_train_end(self) -> None:
-        spans = self.trace.tracer.recorder.spans
-        steps = self.steps - 1  # the steps after the first
-        if steps < 1:  # one step only: measure it
-            self.first_step_end, steps = 0, 1
-        measured: dict[int, float] = {}
-        for s in spans[self.first_step_end:]:
-            if s.kind in COMPUTE:
-                measured[s.stage] = measured.get(s.stage, 0.0) + 1e3 * (s.end - s.start) / (steps * self.m)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, measured)  # each stage's replicas: their mean
-        per_stage: dict[int, list[float]] = {}
-        for rank_costs in everyone:
-            for stage, ms in rank_costs.items():
-                per_stage.setdefault(stage, []).append(ms)
-        if dist.get_rank() == 0:
-            log.info("stage costs per micro-batch, forward + backward: " + "; ".join(
-                f"stage {k} predicted {self.predicted[k]:.1f} ms, measured "
-                f"{sum(v) / len(v):.1f} ms" for k, v in sorted(per_stage.items())))
-
-
-class Summary(StepCallback):
-    """Always on: the run's losses, time and peak memory, logged at the end and returned."""
-
-    def __init__(self, args: argparse.Namespace, first: int) -> None:
-        self.steps, self.first = args.steps - first, first
-        self.losses: list[float] = []
-        self.start = time.perf_counter()
-        self.seconds = self.peak_mb = 0.0
-
-    def on_step_end(self, step: int, loss: float | None) -> None:
-        if loss is not None:
-            self.losses.append(loss)
-
-    def on_train_end(self) -> None:
-        self.seconds = time.perf_counter() - self.start
-        # peak resident memory of this process (Linux reports KiB)
-        self.peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        text = f"{self.steps} steps in {self.seconds:.1f} s, peak memory {self.peak_mb:.0f} MB"
-        if self.losses:
-            text += f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}"
-        log.info(text)
-
-    def result(self) -> dict:
-        """What ``run_worker`` returns to the launcher (``exit_status`` reads it)."""
-        return {"losses": self.losses or None, "seconds": self.seconds, "peak_mb": self.peak_mb,
-                "first_step": self.first}
-
-
-def callbacks_for(args: argparse.Namespace, pp) -> list[StepCallback]:
-    """The callbacks the flags ask for (``Summary`` is added by ``main.train`` itself)."""
-    callbacks: list[StepCallback] = []
-    if args.loss_log and pp.reports:
-        callbacks.append(LossLog(args.loss_log))
-    if args.checkpoint_dir:
-        callbacks.append(Checkpoints(args, pp))
-    if args.trace or pp.auto_split:
-        callbacks.append(Trace(args, pp))
-    if pp.auto_split:
-        callbacks.append(StageCosts(pp, callbacks[-1], args.n_microbatches))
-    return callbacks
+    def on_train_end(self) -> dict:
+        for callback in self.callbacks:
+            callback.on_train_end()
+        layers = list(self.pp.layout.stage_layers)
+        if self.pp.layout.predicted_ms is not None:
+            # scripts/bench_pipelining_transformer.py reads the split auto chose from args
+            # after run_worker; the layout itself is pp.layout, and the result says it too
+            self.args.stage_layers = layers
+        return {**self.summary.result(), "stage_layers": layers}
 
 
 def resume(args: argparse.Namespace, pp) -> int:
@@ -208,7 +95,7 @@ def resume(args: argparse.Namespace, pp) -> int:
     # each rank (each restarted torchrun worker too) chose for itself: the same one?
     if not checkpoint.same_on_every_rank(args.resume_path):
         return 0
-    first = checkpoint.load(args.resume_path, _parts(pp), layout_from(args, pp.device))
+    first = checkpoint.load(args.resume_path, parts_of(pp), layout_from(args, pp.layout, pp.device))
     log.info(f"resumed from {args.resume_path} after step {first}")
     return first
 

@@ -19,34 +19,37 @@ One rank per process under torchrun, as the tutorial launches it:
 The model is the tutorial's (dim 512, 8 layers, 8 heads, vocabulary 10000); the batch is
 CPU-sized (8 x 16 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell.
 
-Beyond the tutorial, each behind its flag and outside the tutorial's functions (extras.py,
-dp.py, checkpoint.py, timeline.py; docs/pipelining_transformer.md): --loss_log, --trace DIR,
---checkpoint_dir/--checkpoint_every/--resume (and torchrun --max-restarts), --dp_size D
-(FSDP2 over a ("dp", "pp") mesh), --stage_layers, every schedule PyTorch offers.
+Beyond the tutorial, each behind its flag: --loss_log, --trace DIR, --checkpoint_dir/
+--checkpoint_every/--resume (and torchrun --max-restarts), --dp_size D (FSDP2 over a
+("dp", "pp") mesh), --stage_layers (halves, auto), every schedule PyTorch offers
+(docs/pipelining_transformer.md). None of it is written out in the functions above: the
+stage layout is one value (layout.py), and the rest enters by one named hook per phase:
+the mesh (dp.py), ``extras.on_build`` on the built stages, and ``extras.Hooks`` at the
+start, after each step and at the end of ``train`` (callbacks.py).
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
 
 import distkit
-from pipelining_transformer import balance, dp, extras, workarounds
-from pipelining_transformer.cli import add_extra_args, check_args, model_args_from, schedule_name
+from pipelining_transformer import callbacks, dp, extras, schedules
+from pipelining_transformer.cli import (add_extra_args, check_args, model_args_from, rank_placement,
+                                        schedule_name)
 from pipelining_transformer.cli import placement  # noqa: F401  (where each rank runs: distkit's contract)
+from pipelining_transformer.layout import StageLayout, stage_layout
 from pipelining_transformer.model import (ModelArgs, Transformer, make_optimizer, synthetic_batch,
                                           tokenwise_loss_fn)
-from pipelining_transformer.schedules import (SCHEDULES, is_multi_stage, layer_ranges,
-                                              num_stages_for, stage_bounds, stage_indices_for)
+from pipelining_transformer.schedules import SCHEDULES
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class DistEnv:
     """The tutorial's globals (rank, device, pp_group) as one value, and this rank's place on
-    the ("dp", "pp") mesh: replica ``dp_rank`` of ``dp_size`` (1 unless --dp_size)."""
+    the ("dp", "pp") mesh: replica ``dp_rank`` of ``dp_size`` (1 unless --dp_size). The
+    tutorial's other two, ``stage_index`` and ``num_stages``, are the stage layout (layout.py)."""
 
     rank: int
     world_size: int
@@ -85,27 +89,16 @@ def init_distributed(device_preference: str = "auto", dp_size: int = 1) -> DistE
     """Join the process group torchrun (or distkit) describes; ``pp_group`` for send/recv."""
     rank = int(os.environ["RANK"])  # the tutorial used LOCAL_RANK: wrong beyond one machine
     world_size = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if world_size % dp_size:
-        raise ValueError(f"world size {world_size} is not divisible by dp_size {dp_size}")
-    # a GPU per process on this machine, or the CPU for all (never cuda:<rank> by fiat,
-    # never two ranks on one GPU); the same backend on every machine, or a one-line error
-    where = distkit.group_placement(device_preference, local_rank, local_world_size)
-    distkit.agree_on_backend("pp", rank, world_size, where)
-    device = where.device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    where = rank_placement(device_preference, rank, world_size)  # a GPU per process, or the CPU
     # under torchrun, a store of this restart's own: a restarted group would otherwise meet
     # the addresses its killed predecessor left in torchrun's store (see distkit)
     dist.init_process_group(backend=where.backend, store=distkit.process_group_store(),
                             rank=rank, world_size=world_size)
-    # "This group can be a sub-group in the N-D parallel case": it is, on a (dp, pp) mesh,
-    # row-major (rank = dp_rank * pp_size + pp_rank), so each pipeline is a block of
-    # consecutive ranks and each "dp" group takes one rank from every pipeline (dp.py)
-    mesh = init_device_mesh(device.type, (dp_size, world_size // dp_size),
-                            mesh_dim_names=("dp", "pp"))
-    return DistEnv(rank, world_size, device, mesh["pp"].get_group(), mesh, dp_size)
+    # "This group can be a sub-group in the N-D parallel case": it is, of a ("dp", "pp")
+    # mesh of --dp_size pipelines (dp.py); one pipeline of every rank by default
+    mesh = dp.device_mesh(where.device, world_size, dp_size)
+    pp_group = mesh["pp"].get_group()
+    return DistEnv(rank, world_size, where.device, pp_group, mesh, dp_size)
 
 
 def manual_model_split(model: Transformer, stage_index: int, num_stages: int, layers: range,
@@ -132,7 +125,7 @@ def manual_model_split(model: Transformer, stage_index: int, num_stages: int, la
 
 
 def tracer_model_split(model: Transformer, example_input_microbatch: torch.Tensor,
-                       split_points: list[str], stage_indices: list[int], device: torch.device,
+                       split_points: list[str], stage_indices: Sequence[int], device: torch.device,
                        pp_group: dist.ProcessGroup | None = None) -> list[PipelineStage]:
     """Option 2: trace ``model``, cut it before each submodule in ``split_points`` (like
     "layers.4"), build this rank's stages (one, or two for a multi-stage schedule)."""
@@ -147,27 +140,24 @@ def tracer_model_split(model: Transformer, example_input_microbatch: torch.Tenso
 
 def build_schedule(stages: list[PipelineStage], name: str, n_microbatches: int):
     """The tutorial's ``ScheduleGPipe``, or the --schedule the user named, built the same way."""
-    if name == "GPipe":
-        return ScheduleGPipe(stages[0], n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
-    schedule_class = SCHEDULES[name]  # schedules.py: 1F1B, Interleaved1F1B, ZBVZeroBubble, ...
-    # a multi-stage schedule drives all of this rank's stages, the others its one stage
-    return schedule_class(stages if is_multi_stage(name) else stages[0],
-                          n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
+    if name != "GPipe":  # 1F1B, Interleaved1F1B, ZBVZeroBubble, ...: schedules.py
+        return schedules.build(name, stages, n_microbatches, tokenwise_loss_fn)
+    return ScheduleGPipe(stages[0], n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
 
 
 class PipelineRank:
     """What one rank runs: its stages, the schedule that drives them, an optimizer per stage."""
 
     def __init__(self, stages: list[PipelineStage], schedule, optimizers: list[torch.optim.Optimizer],
-                 env: DistEnv) -> None:
+                 env: DistEnv, layout: StageLayout) -> None:
         self.stages, self.schedule, self.optimizers = stages, schedule, optimizers
-        self.num_stages = stages[0].num_stages
+        self.layout = layout  # which layers each stage owns (what checkpoints record)
+        self.num_stages = layout.num_stages
         self.device = env.device
         self.dp_rank, self.dp_size, self.dp_group = env.dp_rank, env.dp_size, env.dp_group
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.reports = self.has_last and self.dp_rank == 0  # one rank prints the batch's loss
-        self.auto_split: balance.Split | None = None  # --stage_layers auto: the prediction
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
         """The tutorial's step, by role; the micro-batch losses where the last stage is."""
@@ -190,11 +180,15 @@ class PipelineRank:
         for opt in self.optimizers:
             opt.step()
 
-    def batch_loss(self, losses: list[torch.Tensor]) -> float:
-        """The batch's mean loss: equal micro-batches make it the mean of their means (and,
-        with --dp_size, of the replicas' means: a collective of the last-stage ranks)."""
+    def batch_loss(self, losses: list[torch.Tensor] | None, step: int) -> float | None:
+        """The batch's mean loss where the last stage is (None elsewhere): equal micro-batches
+        make it the mean of their means (and, with --dp_size, of the replicas' means: a
+        collective of the last-stage ranks). A loss that is not finite ends the run."""
+        if losses is None:
+            return None
         loss = torch.stack(losses).detach().mean()
-        return dp.mean_over_replicas(loss, self.dp_size, self.dp_group).item()
+        loss = dp.mean_over_replicas(loss, self.dp_size, self.dp_group).item()
+        return distkit.check_finite(loss, f"step {step + 1}")
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the full model's names ("layers.3.linear1.weight")."""
@@ -204,71 +198,38 @@ class PipelineRank:
 
 def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
     """This rank's stages, cut from the same seeded full model that every rank builds."""
-    model_args = model_args_from(args)
     torch.manual_seed(args.seed)
+    model_args = model_args_from(args)
     model = Transformer(model_args)
-    if env.dp_rank:
-        # the replicas' own dropout masks (replica 0 keeps those of a run without --dp_size)
-        torch.manual_seed(args.seed + 1_000_003 * env.dp_rank)
-    num_stages = num_stages_for(args.schedule, env.pp_size)
-    stage_indices = stage_indices_for(args.schedule, env.pp_rank, env.pp_size)
-    rows = args.batch_size // (env.dp_size * args.n_microbatches)  # one micro-batch's
-    auto = None
-    if args.stage_layers == "auto":  # measured on the ranks, the same answer on each (balance.py)
-        auto = balance.auto_split(model, rows, args.seq_len, num_stages, env.device)
-        args.stage_layers = auto.stage_layers  # what checkpoints record as the layout
-    bounds = stage_bounds(model_args.n_layers, num_stages, args.stage_layers)
-    layers = layer_ranges(model_args.n_layers, num_stages, args.stage_layers)  # whole or half
+    layout = stage_layout(args, env, model)  # the tutorial's stage_index, num_stages (layout.py)
     if args.split == "manual":  # Option 1: manual model splitting
-        # every stage but the last cuts its own copy; the last cuts the model itself
-        models = [copy.deepcopy(model) for _ in stage_indices[1:]] + [model]
-        for m, i in zip(models, stage_indices):
-            balance.halve(m, bounds[i])  # a layer cut in two (--stage_layers 4.5 3.5)
-        stages = [manual_model_split(m, i, num_stages, layers[i], env.device, env.pp_group)
-                  for m, i in zip(models, stage_indices)]
+        stages = [manual_model_split(m, i, layout.num_stages, layout.layers(i), env.device, env.pp_group)
+                  for m, i in layout.stage_models(model)]
     else:  # Option 2: tracer model splitting
-        example_input_microbatch = torch.zeros(rows, args.seq_len, dtype=torch.long)
-        split_points = [balance.split_point(start, model_args.n_layers) for start, _ in bounds[1:]]
-        stages = tracer_model_split(model, example_input_microbatch, split_points,
-                                    stage_indices, env.device, env.pp_group)
-    for stage in stages:
-        workarounds.apply(stage)  # torch's pipelining on gloo (workarounds.py)
-        if env.dp_size > 1:
-            dp.shard_over_dp(stage, env.mesh["dp"])  # before the optimizers are built
+        example_input_microbatch = torch.zeros(layout.rows, args.seq_len, dtype=torch.long)
+        stages = tracer_model_split(model, example_input_microbatch, layout.split_points,
+                                    layout.stage_indices, env.device, env.pp_group)
+    stages = extras.on_build(stages, args, env)  # the build phase's extras (extras.py)
     schedule = build_schedule(stages, args.schedule, args.n_microbatches)
     optimizers = [make_optimizer(args.optimizer, s.submod.parameters(), args.lr) for s in stages]
-    pp = PipelineRank(stages, schedule, optimizers, env)
-    pp.auto_split = auto
-    return pp
+    return PipelineRank(stages, schedule, optimizers, env, layout)
 
 
-def train(args: argparse.Namespace, env: DistEnv, callbacks_for=extras.callbacks_for) -> dict:
-    """The training loop: the tutorial's step, --steps times, with the extras' callbacks."""
+def train(args: argparse.Namespace, env: DistEnv, callbacks_for=callbacks.callbacks_for) -> dict:
+    """The training loop: the tutorial's step, --steps times; the extras enter by three hooks."""
     pp = build_rank(args, env)
-    replica = f", replica {env.dp_rank} of {env.dp_size}" if env.dp_size > 1 else ""
-    log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
-             f"({args.schedule}, {args.split} split{replica}) on {pp.device}")
-    first = extras.resume(args, pp)  # 0 unless --resume finds a checkpoint
-    summary = extras.Summary(args, first)
-    callbacks = [summary, *callbacks_for(args, pp)]
-    for step in range(first, args.steps):
-        x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
-        # --dp_size: this replica's rows of the batch (all of it otherwise)
-        x, y = (dp.replica_rows(t, env.dp_rank, env.dp_size) for t in (x, y))
-        for callback in callbacks:
-            callback.on_step_begin(step)
+    hooks = extras.Hooks(args, pp, callbacks_for)  # start: --resume, the flags' callbacks
+    for step in range(hooks.first_step, args.steps):
+        # the tutorial's dummy data, made learnable; with --dp_size, this replica's rows of it
+        x, y = dp.replica_rows(synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size,
+                                               args.seed), env.dp_rank, env.dp_size)
         losses = pp.forward_backward(x, y)
         pp.optimizer_step()
-        loss = None
-        if losses is not None:
-            loss = distkit.check_finite(pp.batch_loss(losses), f"step {step + 1}")
+        loss = pp.batch_loss(losses, step)  # the batch's mean, where the last stage is
         if pp.reports:
             log.info(f"step {step + 1}/{args.steps}  loss {loss:.4f}")
-        for callback in callbacks:
-            callback.on_step_end(step, loss if pp.reports else None)
-    for callback in callbacks:
-        callback.on_train_end()
-    return summary.result()
+        hooks.on_step_end(step, loss if pp.reports else None)  # step: the flags' callbacks
+    return hooks.on_train_end()  # end: the callbacks' last word, and the run's summary
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:

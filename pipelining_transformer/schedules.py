@@ -1,16 +1,16 @@
 """The schedule catalogue: every schedule this PyTorch offers, and where each puts the stages.
 
 Beyond the tutorial, which runs ``ScheduleGPipe`` with one stage per rank: ``--schedule``
-picks any schedule PyTorch exports; multi-stage ones (Interleaved1F1B, LoopedBFS, the
-zero-bubble ones) give each rank two stages, looped or V-shaped. ``stage_bounds`` divides
-the layers among the stages (``--stage_layers``, in halves if asked: balance.py), and
+picks any schedule PyTorch exports (``build``, which ``main.build_schedule`` calls for any
+but GPipe); multi-stage ones (Interleaved1F1B, LoopedBFS, the zero-bubble ones) give each
+rank two stages, looped or V-shaped. ``stage_bounds`` divides the layers among the stages
+(``--stage_layers``, in halves if asked: balance.py; layout.py holds the result), and
 ``schedule_problem`` asks PyTorch itself, before any process starts, whether a schedule
 can run a micro-batch count.
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
@@ -45,6 +45,14 @@ def stage_indices_for(schedule: str, rank: int, world_size: int) -> list[int]:
     return [rank + k * world_size for k in range(STAGES_PER_RANK_MULTI)]
 
 
+def build(name: str, stages: Sequence, n_microbatches: int, loss_fn: Callable):
+    """Schedule ``name`` built as the tutorial builds ``ScheduleGPipe``: a multi-stage
+    schedule drives all of this rank's stages, the others its one stage."""
+    schedule_class = SCHEDULES[name]
+    return schedule_class(stages if is_multi_stage(name) else stages[0],
+                          n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
 def stage_bounds(n_layers: int, num_stages: int, sizes: Sequence[float] | None = None
                  ) -> list[tuple[float, float]]:
     """Where each stage starts and ends, in layers: ``sizes[s]`` layers for stage s, or (no
@@ -68,11 +76,6 @@ def stage_bounds(n_layers: int, num_stages: int, sizes: Sequence[float] | None =
     for n in sizes:
         bounds.append(bounds[-1] + n)
     return list(zip(bounds, bounds[1:]))
-
-
-def layer_ranges(n_layers: int, num_stages: int, sizes: Sequence[float] | None = None) -> list[range]:
-    """The layers each stage holds, whole or half (see ``stage_bounds``)."""
-    return [range(math.floor(a), math.ceil(b)) for a, b in stage_bounds(n_layers, num_stages, sizes)]
 
 
 class _StubStage:

@@ -6,7 +6,7 @@ work objects, as ``distkit.timeline`` spans (``distkit.stagetrace`` wraps them).
 writes ``DIR/rank<r>.json``; rank 0 gathers all spans and writes ``DIR/trace.json`` (all
 ranks, all steps: open it in https://ui.perfetto.dev), ``DIR/planned.json`` (the plan,
 1 unit = 1 s) and ``DIR/timeline.png`` (the last step measured, the plan beside it).
-``extras.Trace`` attaches it to a run when --trace asks for it.
+``callbacks.Trace`` attaches it to a run when --trace asks for it.
 """
 from __future__ import annotations
 

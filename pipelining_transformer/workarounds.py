@@ -1,7 +1,7 @@
 """Workarounds for torch.distributed.pipelining on gloo, applied to stages after they are built.
 
-Neither is part of the tutorial: ``main.build_rank`` calls ``apply`` on every stage that
-``manual_model_split`` / ``tracer_model_split`` returned, so the tutorial's functions stay
+Neither is part of the tutorial: the build hook ``extras.on_build`` calls ``apply`` on every
+stage that ``manual_model_split`` / ``tracer_model_split`` returned, so the tutorial's functions stay
 as the tutorial writes them. Both are needed on the CPU (gloo); on NCCL they do no harm.
 """
 from __future__ import annotations

@@ -23,11 +23,13 @@ import torch.distributed as dist
 
 import distkit
 from conftest import refused_before_launch, run_cli, run_torchrun
-from pipelining_transformer import extras
+from pipelining_transformer import callbacks
 from pipelining_transformer.main import build_parser, check_args, init_distributed, main, model_args_from, train
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 from pipelining_transformer.balance import HalfLayer, choose_split
-from pipelining_transformer.schedules import SCHEDULES, layer_ranges, stage_bounds, stage_indices_for
+from pipelining_transformer.layout import StageLayout, stage_layout
+from pipelining_transformer.model import ModelArgs
+from pipelining_transformer.schedules import SCHEDULES, stage_bounds, stage_indices_for
 
 # dropout 0 so that a pipelined run and one process compute the same numbers; SGD so
 # that the step is linear in the gradient (Adam's first step turns rounding noise in
@@ -59,19 +61,57 @@ def tiny_args(world_size: int, *argv: str) -> argparse.Namespace:
                      "--world_size", str(world_size), *argv)
 
 
+def _layout(n_layers: int, pp_size: int, sizes: list[float] | None = None, schedule: str = "GPipe",
+            pp_rank: int = 0) -> StageLayout:
+    """The layout ``build_rank`` computes, for a rank ``pp_rank`` of ``pp_size`` (no process group:
+    only --stage_layers auto measures, on the ranks)."""
+    args = argparse.Namespace(schedule=schedule, n_layers=n_layers, stage_layers=sizes, batch_size=8,
+                              n_microbatches=4, seq_len=8)
+    place = argparse.Namespace(pp_rank=pp_rank, pp_size=pp_size, dp_size=1, device=torch.device("cpu"))
+    given = copy.deepcopy(vars(args))
+    layout = stage_layout(args, place, Transformer(ModelArgs(16, n_layers, 2, 32, 0.0)))
+    assert vars(args) == given, "the layout is a value of its own: nothing is written back into args"
+    return layout
+
+
+def _layers(n_layers: int, pp_size: int, sizes: list[float] | None = None) -> list[range]:
+    layout = _layout(n_layers, pp_size, sizes)
+    return [layout.layers(s) for s in range(layout.num_stages)]
+
+
+@pytest.mark.fast
 def test_layers_are_divided_among_stages():
-    assert layer_ranges(8, 2) == [range(0, 4), range(4, 8)]
-    assert layer_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert _layers(8, 2) == [range(0, 4), range(4, 8)]
+    assert _layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
     with pytest.raises(ValueError):
-        layer_ranges(3, 4)
-    assert layer_ranges(8, 2, [5, 3]) == [range(0, 5), range(5, 8)]  # --stage_layers 5 3
+        _layers(3, 4)
+    assert _layers(8, 2, [5, 3]) == [range(0, 5), range(5, 8)]  # --stage_layers 5 3
     # 4.5 3.5: layer 4 on both stages, its attention on the first, its feed-forward on the second
     assert stage_bounds(8, 2, [4.5, 3.5]) == [(0, 4.5), (4.5, 8)]
-    assert layer_ranges(8, 2, [4.5, 3.5]) == [range(0, 5), range(4, 8)]
-    assert layer_ranges(8, 2, [8, 0]) == [range(0, 8), range(8, 8)]  # the head alone
+    assert _layers(8, 2, [4.5, 3.5]) == [range(0, 5), range(4, 8)]
+    assert _layers(8, 2, [8, 0]) == [range(0, 8), range(8, 8)]  # the head alone
     for sizes in ([4, 3], [0, 8], [4, 2, 2], [4.25, 3.75], [4.5, 4, -0.5]):
         with pytest.raises(ValueError):
-            layer_ranges(8, 2, sizes)
+            _layers(8, 2, sizes)
+
+
+@pytest.mark.fast
+def test_the_stage_layout_says_where_the_tracer_cuts_and_which_stages_a_rank_holds():
+    even = _layout(8, 2)
+    assert even.split_points == ["layers.4"] and even.chosen is None  # the tutorial's cut
+    assert even.stage_layers == (4, 4) and even.rows == 2  # 8 rows in 4 micro-batches
+    half = _layout(8, 2, [4.5, 3.5])
+    assert half.split_points == ["layers.4.linear1"] and half.chosen == (4.5, 3.5)
+    assert _layout(8, 2, [8, 0]).split_points == ["norm"]  # a last stage of the head alone
+    zbv = _layout(8, 2, schedule="ZBVZeroBubble", pp_rank=1)  # V-shaped: stages 1 and 2
+    assert (zbv.num_stages, zbv.stage_indices) == (4, (1, 2))
+    assert zbv.split_points == ["layers.2", "layers.4", "layers.6"]
+    # the manual split's models: a copy for every stage but the last, a layer owned by half halved
+    model = Transformer(ModelArgs(16, 8, 2, 32, 0.0))
+    first, last = _layout(8, 1, [4.5, 3.5], schedule="Interleaved1F1B").stage_models(model)
+    assert [i for _, i in (first, last)] == [0, 1] and last[0] is model and first[0] is not model
+    assert isinstance(first[0].layers["4"], HalfLayer) and first[0].layers["4"].part == "attention"
+    assert isinstance(last[0].layers["4"], HalfLayer) and last[0].layers["4"].part == "feed_forward"
 
 
 @pytest.mark.fast
@@ -118,7 +158,7 @@ def test_stage_placement_follows_each_schedule():
     assert stage_indices_for("DualPipeV", 3, 4) == [3, 4]
 
 
-class Recorder(extras.StepCallback):
+class Recorder(callbacks.StepCallback):
     """What a step of ``main.train`` left on this rank: the micro-batch losses the schedule
     returned, the batch loss computed from them, the loss handed to the callbacks (the one
     the run reports, None elsewhere), and each parameter's gradient and value after the step.
@@ -138,8 +178,8 @@ class Recorder(extras.StepCallback):
                 self.out["losses"] = torch.stack(losses).detach().cpu()
             return losses
 
-        def recording_batch_loss(losses):
-            self.out["batch_loss"] = batch_loss(losses)
+        def recording_batch_loss(losses, step):
+            self.out["batch_loss"] = batch_loss(losses, step)  # None where no last stage is
             return self.out["batch_loss"]
 
         pp.forward_backward, pp.batch_loss = recording_step, recording_batch_loss
@@ -174,9 +214,9 @@ def train_recorded(args: argparse.Namespace, env, whole=_copy) -> dict:
     logger.addHandler(said)
     recorders = []
 
-    def with_recorder(a: argparse.Namespace, pp) -> list[extras.StepCallback]:
+    def with_recorder(a: argparse.Namespace, pp) -> list[callbacks.StepCallback]:
         recorders.append(Recorder(pp, whole))
-        return [*extras.callbacks_for(a, pp), recorders[-1]]
+        return [*callbacks.callbacks_for(a, pp), recorders[-1]]
 
     loss_log = os.path.join(tempfile.mkdtemp(), "losses.jsonl")
     try:

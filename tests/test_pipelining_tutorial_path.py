@@ -1,0 +1,188 @@
+"""pipelining_transformer's tutorial path holds the tutorial, and at most MAX_EXTRAS lines more.
+
+The functions of main.py that a learner reads beside the tutorial (``TUTORIAL_PATH``) are
+read statement by statement (``ast``: comments and line breaks do not count; an ``if`` or
+``for`` counts as its header, its body as its own statements). Each statement is either
+accounted for in ``ACCOUNTED``, by the tutorial's code line it renders (one of
+``PIPELINING_TUTORIAL``), by a sentence of the tutorial's text, or by a difference the
+README lists under "What differs", or it is an extra. The extras may only be the named
+hooks through which everything beyond the tutorial enters (the mesh, the build hook, and
+the start, step and end hooks of ``extras.Hooks``): a new line on the path must either be
+accounted for here, or be one of at most MAX_EXTRAS.
+"""
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from conftest import REPO
+from test_tutorial_maps import DIFFERS, PIPELINING_TUTORIAL
+
+pytestmark = pytest.mark.fast
+
+MAIN = REPO / "pipelining_transformer" / "main.py"
+README = REPO / "pipelining_transformer" / "README.md"
+TUTORIAL_PATH = ["init_distributed", "manual_model_split", "tracer_model_split", "build_schedule",
+                 "build_rank", "PipelineRank.forward_backward", "train", "run_worker"]
+MAX_EXTRAS = 5
+
+# Sentences of the tutorial's text (not its code) that code on the path follows
+TUTORIAL_TEXT = [
+    "torch.distributed.pipelining supports multiple schedules, including single-stage-per-rank "
+    "schedules GPipe and 1F1B, as well as multiple-stage-per-rank schedules such as "
+    "Interleaved1F1B and LoopedBFS.",
+]
+TUTORIAL, TEXT, DIFFERENCE = "tutorial", "text", "differs"
+# statement (as ast.unparse writes it) -> (TUTORIAL, its tutorial line) | (TEXT, a sentence
+# of TUTORIAL_TEXT) | (DIFFERENCE, words of the README's "What differs" section)
+ACCOUNTED: dict[str, tuple[str, str]] = {
+    # init_distributed
+    "rank = int(os.environ['RANK'])": (TUTORIAL, 'rank = int(os.environ["LOCAL_RANK"])'),
+    "world_size = int(os.environ['WORLD_SIZE'])": (TUTORIAL, 'world_size = int(os.environ["WORLD_SIZE"])'),
+    "where = rank_placement(device_preference, rank, world_size)":
+        (TUTORIAL, 'device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")'),
+    "dist.init_process_group(backend=where.backend, store=distkit.process_group_store(), rank=rank, "
+    "world_size=world_size)": (TUTORIAL, "dist.init_process_group()"),
+    "pp_group = mesh['pp'].get_group()": (TUTORIAL, "pp_group = dist.new_group()"),
+    "return DistEnv(rank, world_size, where.device, pp_group, mesh, dp_size)":
+        (DIFFERENCE, "The tutorial's globals are one `DistEnv` value"),
+    # manual_model_split
+    "for i in list(model.layers):": (TUTORIAL, "for i in range(4, 8):"),
+    "if int(i) not in layers:": (DIFFERENCE, "deletes the layers outside the stage's range"),
+    "del model.layers[i]": (TUTORIAL, "del model.layers[str(i)]"),
+    "if stage_index != 0:": (TUTORIAL, "elif stage_index == 1:"),
+    "model.tok_embeddings = None": (TUTORIAL, "model.tok_embeddings = None"),
+    "if stage_index != num_stages - 1:": (TUTORIAL, "if stage_index == 0:"),
+    "model.norm = None": (TUTORIAL, "model.norm = None"),
+    "model.output = None": (TUTORIAL, "model.output = None"),
+    "model.to(device)": (TUTORIAL, "model.to(device)"),
+    "stage = PipelineStage(model, stage_index, num_stages, device, group=pp_group)":
+        (TUTORIAL, "stage = PipelineStage(model, stage_index, num_stages, device)"),
+    "return stage": (TUTORIAL, "return stage"),
+    # tracer_model_split
+    "pipe = pipeline(module=model, mb_args=(example_input_microbatch,), split_spec={name: "
+    "SplitPoint.BEGINNING for name in split_points})":
+        (TUTORIAL, "pipe = pipeline(module=model, mb_args=(example_input_microbatch,), split_spec={...})"),
+    "stages = [pipe.build_stage(i, device, pp_group) for i in stage_indices]":
+        (TUTORIAL, "stage = pipe.build_stage(stage_index, device, pp_group)"),
+    "return stages": (TUTORIAL, "return stage"),
+    # build_schedule
+    "if name != 'GPipe':": (TEXT, TUTORIAL_TEXT[0]),
+    "return schedules.build(name, stages, n_microbatches, tokenwise_loss_fn)": (TEXT, TUTORIAL_TEXT[0]),
+    "return ScheduleGPipe(stages[0], n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)":
+        (TUTORIAL, "schedule = ScheduleGPipe(stage, n_microbatches=num_microbatches, loss_fn=tokenwise_loss_fn)"),
+    # build_rank
+    "torch.manual_seed(args.seed)": (DIFFERENCE, "**One seeded model on every rank**"),
+    "model_args = model_args_from(args)": (TUTORIAL, "model_args = ModelArgs()"),
+    "model = Transformer(model_args)": (TUTORIAL, "model = Transformer(model_args)"),
+    "layout = stage_layout(args, env, model)": (TUTORIAL, "stage_index = rank"),
+    "if args.split == 'manual':": (TUTORIAL, "# stage = tracer_model_split(model, example_input_microbatch)"),
+    "stages = [manual_model_split(m, i, layout.num_stages, layout.layers(i), env.device, env.pp_group) "
+    "for m, i in layout.stage_models(model)]": (TUTORIAL, "stage = manual_model_split(model)"),
+    "example_input_microbatch = torch.zeros(layout.rows, args.seq_len, dtype=torch.long)":
+        (TUTORIAL, "example_input_microbatch = x.chunk(num_microbatches)[0]"),
+    "stages = tracer_model_split(model, example_input_microbatch, layout.split_points, "
+    "layout.stage_indices, env.device, env.pp_group)":
+        (TUTORIAL, "# stage = tracer_model_split(model, example_input_microbatch)"),
+    "schedule = build_schedule(stages, args.schedule, args.n_microbatches)":
+        (TUTORIAL, "schedule = ScheduleGPipe(stage, n_microbatches=num_microbatches, loss_fn=tokenwise_loss_fn)"),
+    "optimizers = [make_optimizer(args.optimizer, s.submod.parameters(), args.lr) for s in stages]":
+        (DIFFERENCE, "an optimizer per stage"),
+    "return PipelineRank(stages, schedule, optimizers, env, layout)": (DIFFERENCE, "an optimizer per stage"),
+    # PipelineRank.forward_backward
+    "for opt in self.optimizers:": (DIFFERENCE, "`zero_grad` before each step"),
+    "opt.zero_grad(set_to_none=True)": (DIFFERENCE, "`zero_grad` before each step"),
+    "x, y = (x.to(self.device), y.to(self.device))": (TUTORIAL, "x = x.to(device)"),
+    "losses: list[torch.Tensor] = []": (TUTORIAL, "losses = []"),
+    "if self.has_first and self.has_last:":
+        (DIFFERENCE, "plus one branch for the schedules that put the first and the last stage on one rank"),
+    "self.schedule.step(x, target=y, losses=losses)":
+        (DIFFERENCE, "plus one branch for the schedules that put the first and the last stage on one rank"),
+    "if self.has_first:": (TUTORIAL, "if rank == 0:"),
+    "self.schedule.step(x)": (TUTORIAL, "schedule.step(x)"),
+    "if self.has_last:": (TUTORIAL, "elif rank == 1:"),
+    "self.schedule.step(target=y, losses=losses)": (TUTORIAL, "output = schedule.step(target=y, losses=losses)"),
+    "self.schedule.step()": (DIFFERENCE, "`else: schedule.step()` for a rank in between"),
+    "return losses if self.has_last else None": (DIFFERENCE, "**The step by stage, not by rank number**"),
+    # train
+    "pp = build_rank(args, env)": (TUTORIAL, "stage = manual_model_split(model)"),
+    "for step in range(hooks.first_step, args.steps):": (DIFFERENCE, "the tutorial's step `--steps` times"),
+    # the dummy data, and --dp_size's wrapper around it
+    "x, y = dp.replica_rows(synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, "
+    "args.seed), env.dp_rank, env.dp_size)": (TUTORIAL, "x = torch.ones(32, 500, dtype=torch.long)"),
+    "losses = pp.forward_backward(x, y)": (TUTORIAL, "schedule.step(x)"),
+    "pp.optimizer_step()": (DIFFERENCE, "an optimizer per stage"),
+    "loss = pp.batch_loss(losses, step)": (DIFFERENCE, "the batch's mean loss printed, not the list"),
+    "if pp.reports:": (TUTORIAL, "elif rank == 1:"),
+    "log.info(f'step {step + 1}/{args.steps}  loss {loss:.4f}')": (TUTORIAL, 'print(f"losses: {losses}")'),
+    # run_worker
+    "env = init_distributed(args.device, args.dp_size)": (TUTORIAL, "init_distributed()"),
+    "result = train(args, env)": (DIFFERENCE, "the tutorial's step `--steps` times (`train`)"),
+    "dist.destroy_process_group()": (TUTORIAL, "dist.destroy_process_group()"),
+    "return result": (DIFFERENCE, "the tutorial's step `--steps` times (`train`)"),
+}
+
+
+def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            found[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            found.update({f"{node.name}.{f.name}": f for f in node.body if isinstance(f, ast.FunctionDef)})
+    return found
+
+
+def _statements(body: list[ast.stmt]) -> list[str]:
+    """Each statement of ``body`` as ``ast.unparse`` writes it; an ``if``/``for`` as its header."""
+    out = []
+    for st in body:
+        if isinstance(st, ast.If):
+            out += [f"if {ast.unparse(st.test)}:", *_statements(st.body), *_statements(st.orelse)]
+        elif isinstance(st, ast.For):
+            out += [f"for {ast.unparse(st.target)} in {ast.unparse(st.iter)}:", *_statements(st.body)]
+        elif isinstance(st, (ast.While, ast.With, ast.Try)):
+            raise AssertionError(f"count {type(st).__name__} too: {ast.unparse(st)[:60]}")
+        elif not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)):  # docstrings
+            out.append(ast.unparse(st).replace("\n", " "))
+    return out
+
+
+def path_statements(source: str) -> dict[str, list[str]]:
+    functions = _functions(ast.parse(source))
+    return {name: _statements(functions[name].body) for name in TUTORIAL_PATH}
+
+
+def extras_on_path(source: str) -> list[str]:
+    return [f"{name}: {st}" for name, sts in path_statements(source).items()
+            for st in sts if st not in ACCOUNTED]
+
+
+def test_the_tutorial_path_carries_at_most_five_extra_lines():
+    extras = extras_on_path(MAIN.read_text())
+    assert len(extras) <= MAX_EXTRAS, (
+        f"{len(extras)} statements on the tutorial path are neither the tutorial's nor a listed "
+        f"difference (at most {MAX_EXTRAS}, each a named hook):\n" + "\n".join(extras))
+
+
+def test_every_account_is_the_tutorial_or_a_listed_difference():
+    tutorial = {line for line, _ in PIPELINING_TUTORIAL}
+    readme = README.read_text()
+    differs = " ".join(readme.split(DIFFERS, 1)[1].split("\n## ", 1)[0].split())
+    used = {st for sts in path_statements(MAIN.read_text()).values() for st in sts}
+    for statement, (kind, text) in ACCOUNTED.items():
+        assert statement in used, f"accounted for, but not on the path any more: {statement}"
+        if kind == TUTORIAL:
+            assert text in tutorial, f"{statement}: {text!r} is not a line of the tutorial"
+        elif kind == TEXT:
+            assert text in TUTORIAL_TEXT
+        else:
+            assert " ".join(text.split()) in differs, f"{statement}: README's What differs lacks {text!r}"
+
+
+def test_an_extra_line_on_the_path_is_counted():
+    source = MAIN.read_text().replace("        pp.optimizer_step()\n",
+                                      "        pp.optimizer_step()\n        log.info('one more')\n", 1)
+    assert "train: log.info('one more')" in extras_on_path(source)
+    assert len(extras_on_path(source)) == len(extras_on_path(MAIN.read_text())) + 1
