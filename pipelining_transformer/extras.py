@@ -79,12 +79,8 @@ class Hooks:
     def on_train_end(self) -> dict:
         for callback in self.callbacks:
             callback.on_train_end()
-        layers = list(self.pp.layout.stage_layers)
-        if self.pp.layout.predicted_ms is not None:
-            # scripts/bench_pipelining_transformer.py reads the split auto chose from args
-            # after run_worker; the layout itself is pp.layout, and the result says it too
-            self.args.stage_layers = layers
-        return {**self.summary.result(), "stage_layers": layers}
+        # the split the run used (with --stage_layers auto, the one it chose)
+        return {**self.summary.result(), "stage_layers": list(self.pp.layout.stage_layers)}
 
 
 def resume(args: argparse.Namespace, pp) -> int:

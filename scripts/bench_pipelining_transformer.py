@@ -108,8 +108,9 @@ def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     clocks = Clocks()
     clocks.install()
     result = example.run_worker(worker, args)
+    # the result's "stage_layers": the split the run used (auto: as chosen)
     return {**result, "step_ends": clocks.step_ends, "schedule": clocks.schedule,
-            "compute": clocks.compute, "stage_layers": args.stage_layers}  # auto: as chosen
+            "compute": clocks.compute}
 
 
 def local_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
