@@ -106,6 +106,7 @@ def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
     # torchrun's worker timer (TORCHELASTIC_ENABLE_FILE_TIMER=1), here always on: each rank's
     # watchdog keeps a timer going, so a rank frozen whole (SIGSTOP) is ended on its own
     # machine, also when the rank that reports the hang runs on another one
+    _timed_out.clear()  # pids of an earlier launch in this process may be reused
     timer = FileTimerServer(str(result_dir / "timer"), run_id="distkit", max_interval=0.1,
                             log_event=_timer_event)
     timer.start()
@@ -145,7 +146,7 @@ def _wait(procs: list, ranks: list[int], result_dir: Path) -> None:
         mp_connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=1)
 
 
-_timed_out: set[int] = set()  # pids the timer server killed
+_timed_out: set[int] = set()  # pids the timer server of the current launch killed
 
 
 def _timer_event(name: str, request: Any) -> None:
