@@ -478,6 +478,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 n_stages = num_stages_for(schedule, args.world_size)
                 if counts and len(counts) != n_stages:
                     problem = f"{len(counts)} counts for {n_stages} stages"
+                if n_stages > layers:  # e.g. Interleaved1F1B on 5 ranks: 10 stages, 8 layers
+                    problem = f"{n_stages} stages for {layers} layers"
                 if problem and len(schedules) * len(microbatches) > 1:
                     skipped.append((label, schedule, m, problem))
                     continue  # e.g. DualPipeV with fewer micro-batches than stages

@@ -46,6 +46,8 @@ CASES: dict[str, list[tuple[list[str], str]]] = {
         (["--steps", "3", "--warmup", "2"], "--steps at least --warmup + 2"),
         (["--model", "30", "8", "8", "100"], "--dim 30 is not divisible by --n_heads 8"),
         (["--world_size", "9", "--schedules", "GPipe", "--microbatches", "8"], "more than --n_layers 8"),
+        (["--world_size", "5", "--schedules", "GPipe", "Interleaved1F1B"],
+         "--schedules Interleaved1F1B runs in none of the configurations (10 stages for 8 layers)"),
         (["--points", "8x8"], "--points needs --sweep"),
         (["--sweep", "--points", "6x8"], "is not divisible by --n_microbatches 8"),
         (["--sweep", "--points", "16"], "a point is BATCHxSEQ"),
@@ -137,6 +139,25 @@ def test_every_bad_flag_is_refused_before_anything_runs(name, capsys, monkeypatc
     wrong = [problem for argv, words in cases
              if (problem := refusal_problem(module.main, argv, words, capsys, monkeypatch))]
     assert not wrong, f"{len(wrong)} of {len(cases)} bad command lines of {name}:\n" + "\n".join(wrong)
+
+
+@pytest.mark.fast
+def test_the_default_schedules_skip_what_a_width_cannot_run(capsys, monkeypatch):
+    """Unnamed defaults are skipped where they cannot run, not refused: on 5 ranks the
+    multi-stage schedules make 10 stages for 8 layers, and GPipe and 1F1B still run (named,
+    such a schedule is refused, as the case in ``CASES`` shows)."""
+    import distkit
+    module = importlib.import_module("bench_pipelining_transformer")
+
+    def launch(*args, **kwargs):
+        raise Launched()
+
+    monkeypatch.setattr(distkit, "launch", launch)
+    with pytest.raises(Launched):
+        module.main(["--world_size", "5", "--microbatches", "8"])
+    out = capsys.readouterr().out
+    for schedule in ("Interleaved1F1B", "ZBVZeroBubble"):
+        assert f"# skipped {schedule} m=8 (even): 10 stages for 8 layers" in out, out
 
 
 @pytest.mark.fast
