@@ -20,7 +20,8 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +107,9 @@ def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
     # torchrun's worker timer (TORCHELASTIC_ENABLE_FILE_TIMER=1), here always on: each rank's
     # watchdog keeps a timer going, so a rank frozen whole (SIGSTOP) is ended on its own
     # machine, also when the rank that reports the hang runs on another one
-    _timed_out.clear()  # pids of an earlier launch in this process may be reused
+    timed_out: set[int] = set()  # pids this launch's timer killed (one set per launch: pids get reused)
     timer = FileTimerServer(str(result_dir / "timer"), run_id="distkit", max_interval=0.1,
-                            log_event=_timer_event)
+                            log_event=partial(_timer_event, timed_out))
     timer.start()
     spawn = mp.get_context("spawn")
     procs = [spawn.Process(target=_spawned, args=(i, fn, args, ranks, addr, port, str(result_dir)),
@@ -117,7 +118,7 @@ def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
     try:
         for p in procs:
             p.start()
-        _wait(procs, ranks, result_dir)
+        _wait(procs, ranks, result_dir, timed_out)
         return {int(p.stem): torch.load(p, weights_only=False) for p in sorted(result_dir.glob("*.pt"))}
     except KeyboardInterrupt:
         _die("interrupted; all workers stopped", status=130)
@@ -130,7 +131,7 @@ def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
     raise AssertionError("unreachable")
 
 
-def _wait(procs: list, ranks: list[int], result_dir: Path) -> None:
+def _wait(procs: list, ranks: list[int], result_dir: Path, timed_out: set[int]) -> None:
     """Return once every worker has exited 0; at the first failure stop them all and exit 1."""
     while True:
         failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
@@ -140,18 +141,15 @@ def _wait(procs: list, ranks: list[int], result_dir: Path) -> None:
             refusals = sorted(result_dir.glob("*.refused"))
             if refusals:  # a device the job cannot run with: its one line, as for bad flags
                 _die(refusals[0].read_text(), status=2)
-            _die(_root_cause(failed, procs, ranks, result_dir))
+            _die(_root_cause(failed, procs, ranks, result_dir, timed_out))
         if all(p.exitcode == 0 for p in procs):
             return
         mp_connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=1)
 
 
-_timed_out: set[int] = set()  # pids the timer server of the current launch killed
-
-
-def _timer_event(name: str, request: Any) -> None:
+def _timer_event(timed_out: set[int], name: str, request: Any) -> None:
     if name == "timer expired" and request is not None:
-        _timed_out.add(request.worker_pid)
+        timed_out.add(request.worker_pid)
 
 
 KILLED_GRACE = 1.0  # seconds a failure waits for a rank killed by a signal to be reaped
@@ -177,7 +175,8 @@ def _settle(procs: list, failed: list[int]) -> list[int]:
     return failed
 
 
-def _root_cause(failed: list[int], procs: list, ranks: list[int], result_dir: Path) -> str:
+def _root_cause(failed: list[int], procs: list, ranks: list[int], result_dir: Path,
+                timed_out: Container[int] = frozenset()) -> str:
     """The failure that came first; the others are mostly its echoes (a peer's socket closing).
 
     Exit order says little: a rank that raises can take longer to exit than the peer whose
@@ -185,7 +184,7 @@ def _root_cause(failed: list[int], procs: list, ranks: list[int], result_dir: Pa
     killed by a signal (it could record nothing) counts as first.
     """
     for i in failed:
-        if procs[i].exitcode < 0 and procs[i].pid in _timed_out:
+        if procs[i].exitcode < 0 and procs[i].pid in timed_out:
             return (f"rank {ranks[i]} was frozen (no heartbeat for --hang_timeout + "
                     f"{TIMER_MARGIN:g} s) and was killed by its watchdog's timer; the job is stopped")
         if procs[i].exitcode < 0:
