@@ -162,7 +162,7 @@ class PipelineRank:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
         """The tutorial's step, by role; the micro-batch losses where the last stage is."""
         for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)  # the schedule adds each micro-batch's gradient
+            opt.zero_grad(set_to_none=True)  # step() sums micro-batch grads, divides by their count
         x, y = x.to(self.device), y.to(self.device)
         losses: list[torch.Tensor] = []
         if self.has_first and self.has_last:

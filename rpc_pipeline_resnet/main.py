@@ -1,7 +1,7 @@
 """Distributed pipeline parallelism with RPC: ResNet50 in two shards on two workers.
 
-Mirrors "Distributed Pipeline Parallelism Using RPC" (upstream: pytorch/examples
-rpc/pipeline/main.py). Three processes, roles by rank:
+Mirrors "Distributed Pipeline Parallelism Using RPC" (upstream: pytorch/examples,
+distributed/rpc/pipeline/main.py). Three processes, roles by rank:
   rank 0  "master": holds DistResNet50 (RRefs to the shards), makes the data, computes the
           loss, runs dist_autograd.backward and the DistributedOptimizer step
   rank 1  "worker1": owns ResNetShard1 (conv1 .. layer2)

@@ -56,11 +56,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="GPipe",
                         help="pipeline schedule (both run one stage per rank)")
     distkit.add_launch_args(parser, world_size=2, hang_timeout=300)
+    # no --splits: check_args takes main.py's list, less what this PyTorch's schedule refuses
+    parser.set_defaults(splits=None, default_splits=parser.get_default("splits"))
     return parser
+
+
+def runnable_splits(default: list[int], schedule: str) -> list[int]:
+    """The ``--splits`` values of ``default`` this PyTorch's schedule can run on two stages.
+    A value it refuses is left out with one line saying why: torch 2.10's GPipe wants a
+    micro-batch per stage, so the README's command would otherwise be refused there."""
+    splits = []
+    for n in default:
+        problem = schedule_problem(schedule, 2, n)
+        if problem and os.environ.get("RANK", "0") == "0":  # under torchrun: once
+            print(f"skipping --splits {n}: {schedule} on 2 stages: {problem} "
+                  f"(torch {torch.__version__.split('+')[0]})")
+        if not problem:
+            splits.append(n)
+    return splits
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=2, max_world_size=2)
+    if args.splits is None:
+        args.splits = runnable_splits(args.default_splits, args.schedule)
     check_batch_args(parser, args)
     for n in args.splits:
         if args.batch_size % n:
@@ -68,8 +87,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             # tensor_split would make them differ by one image)
             parser.error(f"--splits values must divide --batch_size {args.batch_size} "
                          f"(torch.distributed.pipelining's micro-batches are equal), got {n}")
-        # PyTorch's own answer, asked before any process starts (1F1B wants a micro-batch per
-        # stage; torch 2.10's GPipe does too, 2.14's does not)
+        # PyTorch's own answer, asked before any process starts, for the values the user
+        # named (1F1B wants a micro-batch per stage; torch 2.10's GPipe does too, 2.14's not)
         problem = schedule_problem(args.schedule, 2, n)
         if problem:
             parser.error(f"--schedule {args.schedule} --splits {n}: {problem} "
@@ -193,15 +212,24 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
             log.info(f"Processing batch {i}")
             inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
         with on_batch(stage, i):
-            opt.zero_grad()  # the schedule adds up the micro-batches' gradients
+            # step() adds up the micro-batches' gradients in .grad, then divides them by
+            # num_split (the schedule's scale_grads=True): the gradient of their mean loss,
+            # which is main.py's whole-batch MSE (test_both_pipelines_train_what_one_process_trains)
+            opt.zero_grad()
             if stage.is_first:
+                # cuts the batch, runs stage 0 on each micro-batch and sends its output to
+                # rank 1; receives the gradient of that output back, runs stage 0's backward
                 schedule.step(inputs.to(device))
             else:
                 mb_losses = []
-                schedule.step(target=labels.to(device), losses=mb_losses)
+                # receives stage 0's outputs, runs stage 1, applies loss_fn to each micro-batch,
+                # runs the backward, sends the gradient of stage 1's input back to rank 0;
+                # returns the logits of the whole batch (not needed here)
+                outputs = schedule.step(target=labels.to(device), losses=mb_losses)
             opt.step()
         if stage.is_last:
-            # equal micro-batches: the mean of their MSEs is the batch's MSE, main.py's loss
+            # only reported: equal micro-batches, so the mean of their MSEs is the batch's
+            # MSE, main.py's loss
             loss = torch.stack(mb_losses).mean().item()
             losses.append(distkit.check_finite(loss, f"batch {i} with {num_split} splits"))
     return losses

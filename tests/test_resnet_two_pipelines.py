@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.nn as nn
 import torch.optim as optim
 
 import distkit
-from conftest import refused_before_launch, run_cli, run_torchrun
+from conftest import REPO, refused_before_launch, run_cli, run_torchrun
 import rpc_pipeline_resnet.main as rpc_example
 import rpc_pipeline_resnet.pipelining as pp_example
 from distkit.timeline import read_chrome_trace
@@ -177,6 +178,32 @@ def test_torchrun_launch_prints_the_same_lines():
     assert "[rank 0] Processing batch 0" in proc.stdout, proc.stdout
     assert "number of splits = 2, execution time = " in proc.stdout, proc.stdout
     assert "devices: rank 0 cpu, rank 1 cpu" in proc.stdout and "loss of each batch" in proc.stdout
+
+
+def readme_command(script: str) -> list[str]:
+    """The first command of rpc_pipeline_resnet/README.md's code blocks that runs ``script``
+    with ``python``, as argv after ``python`` (its comment dropped)."""
+    text = (REPO / "rpc_pipeline_resnet" / "README.md").read_text()
+    line = next(l for l in text.splitlines() if l.startswith(f"python {script}"))
+    return line.split("#")[0].split()[1:]
+
+
+@pytest.mark.fast  # the README's command must run on the oldest supported torch too
+def test_the_readme_command_runs_on_this_torch():
+    """``python rpc_pipeline_resnet/pipelining.py --world_size 2``, at small sizes: its default
+    --splits are each run, or left out with one line where this PyTorch refuses them (torch
+    2.10's GPipe refuses 1 micro-batch on 2 stages)."""
+    argv = readme_command("rpc_pipeline_resnet/pipelining.py")
+    assert "--splits" not in argv, argv  # the default list is what is checked here
+    proc = run_cli(*argv, "--image_size", "32", "--num_batches", "1", "--warmup", "0",
+                   "--num_classes", "10", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    refused = {m: schedule_problem("GPipe", 2, m) for m in (1, 2, 4, 8)}
+    ran = [int(n) for n in re.findall(r"number of splits = (\d+),", proc.stdout)]
+    assert ran == [m for m, problem in refused.items() if problem is None], proc.stdout
+    skipped = [l for l in proc.stdout.splitlines() if l.startswith("skipping --splits")]
+    assert skipped == [f"skipping --splits {m}: GPipe on 2 stages: {problem} (torch "
+                       f"{torch.__version__.split('+')[0]})" for m, problem in refused.items() if problem]
 
 
 BAD_INPUT = [

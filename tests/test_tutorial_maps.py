@@ -7,15 +7,17 @@ relative to the README), so a map cannot rot when code moves: this test fails in
 """
 from __future__ import annotations
 
+import ast
 import re
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO
-from tutorial_lines_ddp_rpc import DDP_RPC_TUTORIAL
-from tutorial_lines_rpc_pipeline_resnet import RPC_PIPELINE_RESNET_TUTORIAL
-from tutorial_lines_rpc_start import RPC_RL_TUTORIAL, RPC_RNN_TUTORIAL
+from tutorial_lines_ddp_rpc import DDP_RPC_NAMES, DDP_RPC_TUTORIAL
+from tutorial_lines_rpc_pipeline_resnet import RPC_PIPELINE_RESNET_NAMES, RPC_PIPELINE_RESNET_TUTORIAL
+from tutorial_lines_rpc_start import RPC_RL_NAMES, RPC_RL_TUTORIAL, RPC_RNN_NAMES, RPC_RNN_TUTORIAL
 
 pytestmark = pytest.mark.fast
 
@@ -251,6 +253,26 @@ PIPELINING_TUTORIAL = [
     ("dist.destroy_process_group()", "`dist.destroy_process_group()`"),
     ("torchrun --nnodes 1 --nproc_per_node 2 pipelining_tutorial.py", "`torchrun --nnodes 1 --nproc_per_node 2 ...`"),
 ]
+# What the tutorial defines and calls that a learner looks for, as the tutorial wrote it (the
+# check is test_every_tutorial_name_is_in_the_code_or_named_in_what_differs).
+PIPELINING_NAMES = [
+    "num_microbatches = 4",
+    "class ModelArgs",
+    "dim: int = 512",
+    "n_layers: int = 8",
+    "n_heads: int = 8",
+    "vocab_size: int = 10000",
+    "class Transformer(nn.Module)",
+    "def Transformer.__init__(self, model_args: ModelArgs)",
+    "def Transformer.forward(self, tokens: torch.Tensor)",
+    "def init_distributed()",
+    "pp_group = dist.new_group()",
+    "stage_index = rank",
+    "num_stages = world_size",
+    "def manual_model_split(model) -> PipelineStage",
+    "def tracer_model_split(model, example_input_microbatch) -> PipelineStage",
+    "def tokenwise_loss_fn(outputs, targets)",
+]
 # the four RPC tutorials' lines, in the same form, are in tests/tutorial_lines_*.py
 TUTORIAL_LINES = {"pipelining_transformer": PIPELINING_TUTORIAL, "ddp_rpc": DDP_RPC_TUTORIAL,
                   "rpc_rl": RPC_RL_TUTORIAL, "rpc_rnn": RPC_RNN_TUTORIAL,
@@ -280,3 +302,139 @@ def test_a_tutorial_line_without_a_row_fails(tmp_path):
     lines = [("num_microbatches = 4", "`num_microbatches = 4`"), ("rank = ...", "**`RANK`, not `LOCAL_RANK`**, is the rank"),
              ("model.to(device)", "`model.to(device)`")]
     assert uncovered(readme, lines) == ["model.to(device)"]
+
+
+# The names a learner looks for, one list per tutorial (the four RPC tutorials' are in
+# tests/tutorial_lines_*.py). An entry is the tutorial's own text: "def name(params)" (a
+# method as "def Class.name(params)"), "class Name(bases)", "name = value", or a pair
+# (expression, the name "What differs" gives it).
+TUTORIAL_NAMES = {"pipelining_transformer": PIPELINING_NAMES, "ddp_rpc": DDP_RPC_NAMES,
+                  "rpc_rl": RPC_RL_NAMES, "rpc_rnn": RPC_RNN_NAMES,
+                  "rpc_pipeline_resnet": RPC_PIPELINE_RESNET_NAMES}
+
+
+def tutorial_name(entry: str | tuple[str, str]) -> tuple[str, object, str]:
+    """(kind, shape, name) of a names entry: the shape the code must have, and the name that
+    "What differs" must give in backticks if it does not (a method: ``Class.name``, a
+    constructor: ``Class``)."""
+    text, name = entry if isinstance(entry, tuple) else (entry, None)
+    if text.startswith("def "):
+        qualified, _, rest = text[4:].partition("(")
+        cls, _, fn = qualified.rpartition(".")
+        params = ast.parse(f"def {fn}({rest}: pass").body[0].args
+        return "def", (cls, fn, params), name or (cls if fn == "__init__" else qualified)
+    if text.startswith("class "):
+        node = ast.parse(f"{text}: pass").body[0]
+        return "class", (node.name, tuple(ast.unparse(b) for b in node.bases)), name or node.name
+    node = ast.parse(text).body[0]
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        target = ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+        return "value", (target, ast.unparse(node.value)), name or target
+    assert name is not None, f"{text!r}: give an expression the name 'What differs' uses: (text, name)"
+    return "expr", ast.unparse(node.value), name
+
+
+def code_shapes(files: list[Path]) -> tuple[dict[tuple[str, str], list[ast.arguments]], set]:
+    """What ``files`` hold: every function's parameters by (class or "", name), and a set of
+    (kind, shape): classes with their bases, values given to a name (``name = value``, a
+    keyword ``name=value``, a flag ``--name`` with ``default=value``) and every expression."""
+    defs: dict[tuple[str, str], list[ast.arguments]] = defaultdict(list)
+    found: set = set()
+    for path in files:
+        tree = ast.parse(path.read_text())
+        methods = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                found.add(("class", (node.name, tuple(ast.unparse(b) for b in node.bases))))
+                for child in node.body:
+                    if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        defs[node.name, child.name].append(child.args)
+                        methods.add(child)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node not in methods:
+                defs["", node.name].append(node.args)
+            elif isinstance(node, ast.Assign):
+                found.update(("value", (ast.unparse(t), ast.unparse(node.value))) for t in node.targets)
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                found.add(("value", (ast.unparse(node.target), ast.unparse(node.value))))
+            elif isinstance(node, ast.keyword) and node.arg is not None:
+                found.add(("value", (node.arg, ast.unparse(node.value))))
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_argument" and node.args
+                    and isinstance(flag := node.args[0], ast.Constant) and str(flag.value).startswith("--")):
+                found.update(("value", (flag.value[2:], ast.unparse(k.value)))
+                             for k in node.keywords if k.arg == "default")
+            if isinstance(node, ast.expr):
+                found.add(("expr", ast.unparse(node)))
+    return defs, found
+
+
+def fits(tutorial: ast.arguments, ours: ast.arguments) -> bool:
+    """Whether ``ours`` has the tutorial's parameters: its names in its order with its defaults
+    (annotations aside); anything added comes after them and has a default, so a call written
+    as in the tutorial still works (and nothing is added before its ``*args``, which would
+    take the tutorial's extra arguments)."""
+    def positional(a: ast.arguments) -> list[tuple[str, str | None]]:
+        names = [p.arg for p in (*a.posonlyargs, *a.args)]
+        return list(zip(names, [None] * (len(names) - len(a.defaults)) + [ast.unparse(d) for d in a.defaults]))
+
+    def keyword_only(a: ast.arguments) -> dict[str, str | None]:
+        return {p.arg: None if d is None else ast.unparse(d) for p, d in zip(a.kwonlyargs, a.kw_defaults)}
+
+    theirs, mine = positional(tutorial), positional(ours)
+    added = mine[len(theirs):]
+    if mine[:len(theirs)] != theirs or any(d is None for _, d in added):
+        return False
+    if tutorial.vararg and (added or not ours.vararg or ours.vararg.arg != tutorial.vararg.arg):
+        return False
+    if tutorial.kwarg and (not ours.kwarg or ours.kwarg.arg != tutorial.kwarg.arg):
+        return False
+    their_kw, my_kw = keyword_only(tutorial), keyword_only(ours)
+    return (all(k in my_kw and my_kw[k] == d for k, d in their_kw.items())
+            and all(d is not None for k, d in my_kw.items() if k not in their_kw))
+
+
+def name_problems(readme: Path, names: list) -> list[str]:
+    """The tutorial names that the code the step map links holds in another shape (renamed,
+    other parameters or values) while "What differs" never names them in backticks."""
+    files = sorted({readme.parent / rel for _, rel, _ in map_rows(readme)})
+    defs, found = code_shapes(files)
+    text = readme.read_text()
+    spans = NAME.findall(text.split(DIFFERS, 1)[1].split("\n## ", 1)[0] if DIFFERS in text else "")
+    problems = []
+    for entry in names:
+        kind, shape, name = tutorial_name(entry)
+        if kind == "def":
+            cls, fn, params = shape
+            in_code = any(fits(params, ours) for ours in defs.get((cls, fn), []))
+        else:
+            in_code = (kind, shape) in found
+        named = any(re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", span) for span in spans)
+        if not in_code and not named:
+            problems.append(f"{entry[0] if isinstance(entry, tuple) else entry}: not so in "
+                            f"{', '.join(f.name for f in files)}, and 'What differs' names no `{name}`")
+    return problems
+
+
+@pytest.mark.parametrize("example", sorted(TUTORIAL_NAMES))
+def test_every_tutorial_name_is_in_the_code_or_named_in_what_differs(example):
+    missing = name_problems(REPO / example / "README.md", TUTORIAL_NAMES[example])
+    assert not missing, "tutorial names renamed or reshaped with no 'What differs' line:\n" + "\n".join(missing)
+
+
+def test_a_renamed_function_without_a_difference_fails(tmp_path):
+    (tmp_path / "main.py").write_text(
+        "NUM = 4\n\n\ndef train(model: object, steps: int = 1) -> None:\n    pass\n\n\n"
+        "def run_worker(worker, args):\n    pass\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{HEADING}\n\n| step | code | where |\n|---|---|---|\n"
+                      "| loop | `train` | [main.py#L4](main.py#L4) |\n\n"
+                      f"{DIFFERS}\n\n- **`distkit.launch`** starts the ranks.\n")
+    names = ["NUM = 4", "def train(model)", "def run_worker(rank, world_size)", "NUM = 8"]
+    assert name_problems(readme, names) == [
+        "def run_worker(rank, world_size): not so in main.py, and 'What differs' names no `run_worker`",
+        "NUM = 8: not so in main.py, and 'What differs' names no `NUM`",
+    ]
+    readme.write_text(readme.read_text() + "- **`run_worker(worker, args)`**, not `run_worker(rank, world_size)`.\n"
+                      "- `NUM` is 4.\n")
+    assert name_problems(readme, names) == []

@@ -5,6 +5,10 @@ The tutorial shows its code by ``literalinclude`` of pytorch/tutorials'
 imports, comments and docstrings left out, a call spread over several lines written as one).
 Each names the text of ddp_rpc/README.md's step map or "What differs" section that accounts
 for it (tests/test_tutorial_maps.py checks that the text is there).
+
+DDP_RPC_NAMES: what the tutorial defines and calls that a learner looks for, as the tutorial
+wrote it; each must be in the example's code in that shape, or ddp_rpc/README.md's "What
+differs" section must name it (tests/test_tutorial_maps.py says what counts).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ DDP_RPC_TUTORIAL = [
     ("emb_lookup = self.remote_emb_module.forward(indices, offsets)", "forward: embedding lookup on the parameter server"),
     ("return self.fc(emb_lookup.cuda(self.device))", "forward: the lookup through the DDP-wrapped `fc`"),
     ("def _run_trainer(remote_emb_module, rank):", "`_run_trainer(remote_emb_module, rank)`"),
-    ("model = HybridModel(remote_emb_module, rank)", "`model = HybridModel(remote_emb_module`"),
+    ("model = HybridModel(remote_emb_module, rank)", "**The trainer's device is a module global**, `_device`"),
     ("model_parameter_rrefs = model.remote_emb_module.remote_parameters()",
      "`model.remote_emb_module.remote_parameters()`"),
     ("for param in model.fc.parameters():", "an `RRef` for each of `model.fc.parameters()`"),
@@ -52,10 +56,10 @@ DDP_RPC_TUTORIAL = [
     ("dist_autograd.backward(context_id, [loss])", "4) distributed backward pass"),
     ("opt.step(context_id)", "5) distributed optimizer step"),
     ('print("Training done for epoch {}".format(epoch))', '`print("Training done for epoch {}")`'),
-    ("def run_worker(rank, world_size):", "`run_worker(rank, world_size)`"),
+    ("def run_worker(rank, world_size):", "**`run_worker(worker, args)`**, not `run_worker(rank, world_size)`"),
     ("rpc_backend_options = TensorPipeRpcBackendOptions()", "`TensorPipeRpcBackendOptions`"),
     ('rpc_backend_options.init_method = "tcp://localhost:29501"', "**No hard-coded ports.**"),
-    ("if rank == 2:", "`N-2` is the master"),
+    ("if rank == 2:", "**The master's part is a function, `run_master(args)`**"),
     ('rpc.init_rpc("master", rank=rank, world_size=world_size, rpc_backend_options=rpc_backend_options)',
      'rank 2 is the master: `rpc.init_rpc("master", ...)`'),
     ('remote_emb_module = RemoteModule("ps", torch.nn.EmbeddingBag, args=(NUM_EMBEDDINGS, EMBEDDING_DIM), '
@@ -81,4 +85,17 @@ DDP_RPC_TUTORIAL = [
     ('if __name__ == "__main__":', "`mp.spawn(run_worker, ...)`"),
     ("world_size = 4", "`world_size = 4`"),
     ("mp.spawn(run_worker, args=(world_size,), nprocs=world_size, join=True)", "`mp.spawn(run_worker, ...)`"),
+]
+
+DDP_RPC_NAMES = [
+    "NUM_EMBEDDINGS = 100",
+    "EMBEDDING_DIM = 16",
+    "class HybridModel(torch.nn.Module)",
+    "def HybridModel.__init__(self, remote_emb_module, device)",
+    "def HybridModel.forward(self, indices, offsets)",
+    "def _run_trainer(remote_emb_module, rank)",
+    ("HybridModel(remote_emb_module, rank)", "_device"),
+    "def get_next_batch(rank)",
+    "def run_worker(rank, world_size)",
+    "world_size = 4",
 ]

@@ -4,6 +4,10 @@ As of 2026-11-24 (PyTorch has since removed the tutorial; the code blocks are th
 last version; imports left out, a call spread over several lines written as one). Each names the text of
 rpc_pipeline_resnet/README.md's step map or "What differs" section that accounts for it
 (tests/test_tutorial_maps.py checks that the text is there).
+
+RPC_PIPELINE_RESNET_NAMES: what the tutorial defines and calls that a learner looks for, as
+the tutorial wrote it; each must be in the example's code in that shape, or its README's
+"What differs" section must name it (tests/test_tutorial_maps.py says what counts).
 """
 from __future__ import annotations
 
@@ -24,9 +28,14 @@ _MASTER = 'Step 4: rank 0: `rpc.init_rpc("master", ...)`'
 _WORKER = 'Step 4: other ranks: `rpc.init_rpc(f"worker{rank}", ...)`'
 _SPAWN = "Step 4: `mp.spawn(run_worker, ...)`"
 _TIMING = "**Timing measures the pipeline only**"
+_BATCH = "**Batches of 16 images by default** (`--batch_size`), not the tutorial's `batch_size = 120`"
+_CONSTANT = "**`NUM_CLASSES = 1000`** is the tutorial's `num_classes = 1000`"
+_ONCE = "so only a caller who passes `num_classes` too gets a `TypeError`"
+_IMAGE_SIZE = "**One `--image_size`** (128) for the tutorial's `image_w` and `image_h`"
+_LOGGED = "**Logged, not printed**: the tutorial's two `print` lines are `log.info` calls"
 
 RPC_PIPELINE_RESNET_TUTORIAL = [
-    ("num_classes = 1000", "Step 1: `num_classes = 1000`"),
+    ("num_classes = 1000", _CONSTANT),
     ("def conv1x1(in_planes, out_planes, stride=1):", "Step 1: `conv1x1`"),
     ("return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)", "Step 1: `conv1x1`"),
     ("class ResNetBase(nn.Module):", _BASE),
@@ -59,8 +68,7 @@ RPC_PIPELINE_RESNET_TUTORIAL = [
     ("return [RRef(p) for p in self.parameters()]", "Step 1: `ResNetBase.parameter_rrefs`"),
     ("class ResNetShard1(ResNetBase):", _SHARD1),
     ("def __init__(self, device, *args, **kwargs):", _SHARD1),
-    ("super(ResNetShard1, self).__init__(Bottleneck, 64, num_classes=num_classes, *args, **kwargs)",
-     "the tutorial passed `num_classes` twice"),
+    ("super(ResNetShard1, self).__init__(Bottleneck, 64, num_classes=num_classes, *args, **kwargs)", _ONCE),
     ("self.device = device", _SHARD1),
     ("self.seq = nn.Sequential(nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False), "
      "self._norm_layer(self.inplanes), nn.ReLU(inplace=True), nn.MaxPool2d(kernel_size=3, stride=2, padding=1), "
@@ -77,11 +85,11 @@ RPC_PIPELINE_RESNET_TUTORIAL = [
     ("out = self.seq(x)", _FWD1),
     ("return out.cpu()", _FWD1),
     ("class ResNetShard2(ResNetBase):", _SHARD2),
-    ("super(ResNetShard2, self).__init__(Bottleneck, 512, num_classes=num_classes, *args, **kwargs)",
-     "the tutorial passed `num_classes` twice"),
+    ("super(ResNetShard2, self).__init__(Bottleneck, 512, num_classes=num_classes, *args, **kwargs)", _ONCE),
     ("self.seq = nn.Sequential(self._make_layer(256, 6, stride=2), self._make_layer(512, 3, stride=2), "
      "nn.AdaptiveAvgPool2d((1, 1))).to(self.device)", _SHARD2),
-    ("self.fc = nn.Linear(512 * self._block.expansion, num_classes).to(self.device)", _SHARD2),
+    ("self.fc = nn.Linear(512 * self._block.expansion, num_classes).to(self.device)",
+     "shard 2's `fc` read the module's `num_classes` anyway"),
     ("out = self.fc(torch.flatten(self.seq(x), 1))", _FWD2),
     ("class DistResNet50(nn.Module):", _DIST),
     ("def __init__(self, num_split, workers, *args, **kwargs):", _DIST),
@@ -105,9 +113,9 @@ RPC_PIPELINE_RESNET_TUTORIAL = [
     ("remote_params.extend(self.p2_rref.remote().parameter_rrefs().to_here())", _PARAMS),
     ("return remote_params", _PARAMS),
     ("num_batches = 3", _SIZES),
-    ("batch_size = 120", _SIZES),
-    ("image_w = 128", _SIZES),
-    ("image_h = 128", _SIZES),
+    ("batch_size = 120", _BATCH),
+    ("image_w = 128", _IMAGE_SIZE),
+    ("image_h = 128", _IMAGE_SIZE),
     ("def run_master(num_split):", "Step 3: `run_master(num_split)`"),
     ('model = DistResNet50(num_split, ["worker1", "worker2"])', 'Step 3: `model = DistResNet50(num_split, ["worker1", "worker2"])`'),
     ("loss_fn = nn.MSELoss()", "Step 3: `loss_fn = nn.MSELoss()`"),
@@ -116,18 +124,19 @@ RPC_PIPELINE_RESNET_TUTORIAL = [
     ("one_hot_indices = torch.LongTensor(batch_size).random_(0, num_classes).view(batch_size, 1)",
      "Step 3: `one_hot_indices`"),
     ("for i in range(num_batches):", "Step 3: `for i in range(num_batches)`"),
-    ('print(f"Processing batch {i}")', 'Step 3: `print(f"Processing batch {i}")`'),
+    ('print(f"Processing batch {i}")', _LOGGED),
     ("inputs = torch.randn(batch_size, 3, image_w, image_h)", _DATA),
     ("labels = torch.zeros(batch_size, num_classes).scatter_(1, one_hot_indices, 1)", _DATA),
     ("with dist_autograd.context() as context_id:", "Step 3: `with dist_autograd.context() as context_id`"),
     ("outputs = model(inputs)", "Step 3: `outputs = model(inputs)`"),
     ("dist_autograd.backward(context_id, [loss_fn(outputs, labels)])", "**The loss gets its own line**"),
     ("opt.step(context_id)", "Step 3: `opt.step(context_id)`"),
-    ("def run_worker(rank, world_size, num_split):", "Step 4: `run_worker(rank, world_size, num_split)`"),
+    ("def run_worker(rank, world_size, num_split):",
+     "**`run_worker(worker, args)`**, not `run_worker(rank, world_size, num_split)`"),
     ("os.environ['MASTER_ADDR'] = 'localhost'", _NO_PORT),
     ("os.environ['MASTER_PORT'] = '29500'", _NO_PORT),
     ("options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=128)",
-     "Step 4: `TensorPipeRpcBackendOptions(num_worker_threads=128)`"),
+     "**`rpc_timeout` in the backend options**"),
     ("if rank == 0:", _MASTER),
     ('rpc.init_rpc("master", rank=rank, world_size=world_size, rpc_backend_options=options)', _MASTER),
     ("run_master(num_split)", "Step 4: rank 0: `run_master(num_split)`"),
@@ -140,6 +149,35 @@ RPC_PIPELINE_RESNET_TUTORIAL = [
     ("tik = time.time()", _TIMING),
     ("mp.spawn(run_worker, args=(world_size, num_split), nprocs=world_size, join=True)", _SPAWN),
     ("tok = time.time()", _TIMING),
-    ('print(f"number of splits = {num_split}, execution time = {tok - tik}")',
-     'Step 4: `print(f"number of splits = ...")`'),
+    ('print(f"number of splits = {num_split}, execution time = {tok - tik}")', _LOGGED),
+]
+
+RPC_PIPELINE_RESNET_NAMES = [
+    "num_classes = 1000",
+    "def conv1x1(in_planes, out_planes, stride=1)",
+    "class ResNetBase(nn.Module)",
+    "def ResNetBase.__init__(self, block, inplanes, num_classes=1000, groups=1, width_per_group=64, "
+    "norm_layer=None)",
+    "def ResNetBase._make_layer(self, planes, blocks, stride=1)",
+    "def ResNetBase.parameter_rrefs(self)",
+    "class ResNetShard1(ResNetBase)",
+    "def ResNetShard1.__init__(self, device, *args, **kwargs)",
+    "def ResNetShard1.forward(self, x_rref)",
+    "class ResNetShard2(ResNetBase)",
+    "def ResNetShard2.__init__(self, device, *args, **kwargs)",
+    "def ResNetShard2.forward(self, x_rref)",
+    "class DistResNet50(nn.Module)",
+    "def DistResNet50.__init__(self, num_split, workers, *args, **kwargs)",
+    "def DistResNet50.forward(self, xs)",
+    ("self.split_size", "self.split_size"),
+    "def DistResNet50.parameter_rrefs(self)",
+    "num_batches = 3",
+    "batch_size = 120",
+    "image_w = 128",
+    "image_h = 128",
+    "def run_master(num_split)",
+    ('print(f"Processing batch {i}")', "print"),
+    "def run_worker(rank, world_size, num_split)",
+    ("rpc.TensorPipeRpcBackendOptions(num_worker_threads=128)", "rpc_timeout"),
+    "world_size = 3",
 ]

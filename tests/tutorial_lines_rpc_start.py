@@ -4,6 +4,10 @@
 As of 2026-11-24; imports, comments and docstrings left out, a call spread over several lines
 written as one. Each names the text of the example README's step map or "What differs"
 section that accounts for it (tests/test_tutorial_maps.py checks that the text is there).
+
+RPC_RL_NAMES and RPC_RNN_NAMES: what each half defines and calls that a learner looks for, as
+the tutorial wrote it; each must be in the example's code in that shape, or its README's
+"What differs" section must name it (tests/test_tutorial_maps.py says what counts).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ _AGENT_INIT = "`Agent.__init__(self, world_size)`"
 _OBSERVERS = "observers created remotely: `self.ob_rrefs.append(remote(ob_info, Observer))`"
 _SELECT = "`Agent.select_action`: policy, `Categorical`, sample, save log-prob"
 _PER_OBSERVER = "**Returns are discounted per observer**"
+_ONE_LINE = "**`policy_loss` in one line**"
 
 RPC_RL_TUTORIAL = [
     ("class Policy(nn.Module):", _POLICY),
@@ -61,10 +66,10 @@ RPC_RL_TUTORIAL = [
     ("self.eps = np.finfo(np.float32).eps.item()", _AGENT_INIT),
     ("self.running_reward = 0", _AGENT_INIT),
     ("self.reward_threshold = gym.make('CartPole-v1').spec.reward_threshold",
-     "`self.reward_threshold` from CartPole-v1's spec"),
+     "**`gym.spec(ENV_NAME).reward_threshold`**, not `gym.make('CartPole-v1').spec.reward_threshold`"),
     ("for ob_rank in range(1, world_size):", _OBSERVERS),
     ("ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))", _OBSERVERS),
-    ("self.ob_rrefs.append(remote(ob_info, Observer))", _OBSERVERS),
+    ("self.ob_rrefs.append(remote(ob_info, Observer))", "**`Agent.observer_cls`** (`Observer`)"),
     ("self.rewards[ob_info.id] = []", _OBSERVERS),
     ("self.saved_log_probs[ob_info.id] = []", _OBSERVERS),
     ("def select_action(self, ob_id, state):", _SELECT),
@@ -92,16 +97,16 @@ RPC_RL_TUTORIAL = [
     ("self.running_reward = 0.05 * min_reward + (1 - 0.05) * self.running_reward", "the minimum observer reward"),
     ("self.rewards[ob_id] = []", "clear saved probs and rewards"),
     ("self.saved_log_probs[ob_id] = []", "clear saved probs and rewards"),
-    ("policy_loss, returns = [], []", _PER_OBSERVER),
+    ("policy_loss, returns = [], []", _ONE_LINE),
     ("for r in rewards[::-1]:", _PER_OBSERVER),
     ("R = r + args.gamma * R", _PER_OBSERVER),
     ("returns.insert(0, R)", _PER_OBSERVER),
     ("returns = torch.tensor(returns)", _PER_OBSERVER),
     ("returns = (returns - returns.mean()) / (returns.std() + self.eps)", "all returns are normalised together"),
-    ("for log_prob, R in zip(probs, returns):", "`policy_loss.append(-log_prob * R)`"),
-    ("policy_loss.append(-log_prob * R)", "`policy_loss.append(-log_prob * R)`"),
+    ("for log_prob, R in zip(probs, returns):", _ONE_LINE),
+    ("policy_loss.append(-log_prob * R)", _ONE_LINE),
     ("self.optimizer.zero_grad()", "`policy_loss.backward()`, `self.optimizer.step()`"),
-    ("policy_loss = torch.cat(policy_loss).sum()", "`policy_loss.append(-log_prob * R)`"),
+    ("policy_loss = torch.cat(policy_loss).sum()", _ONE_LINE),
     ("policy_loss.backward()", "`policy_loss.backward()`, `self.optimizer.step()`"),
     ("self.optimizer.step()", "`policy_loss.backward()`, `self.optimizer.step()`"),
     ("return min_reward", "the minimum observer reward"),
@@ -128,6 +133,28 @@ RPC_RL_TUTORIAL = [
      "other ranks are observers: `rpc.init_rpc(OBSERVER_NAME.format(rank), ...)`"),
     ("rpc.shutdown()", "block until all rpcs finish: `rpc.shutdown()`"),
     ("mp.spawn(run_worker, args=(args.world_size, ), nprocs=args.world_size, join=True)", "`mp.spawn(run_worker, ...)`"),
+]
+
+RPC_RL_NAMES = [
+    "class Policy(nn.Module)",
+    "def Policy.__init__(self)",
+    "def Policy.forward(self, x)",
+    "class Observer",
+    "def Observer.__init__(self)",
+    "def Observer.run_episode(self, agent_rref)",
+    "class Agent",
+    "def Agent.__init__(self, world_size)",
+    ("gym.make('CartPole-v1').spec", "gym.make"),
+    ("remote(ob_info, Observer)", "Agent.observer_cls"),
+    "def Agent.select_action(self, ob_id, state)",
+    "def Agent.report_reward(self, ob_id, reward)",
+    "def Agent.run_episode(self)",
+    "def Agent.finish_episode(self)",
+    ("policy_loss.append(-log_prob * R)", "policy_loss"),
+    'AGENT_NAME = "agent"',
+    'OBSERVER_NAME = "obs{}"',
+    "def run_worker(rank, world_size)",
+    "world_size = 2",
 ]
 
 _EMB_INIT = "`EmbeddingTable.__init__`: dropout, `nn.Embedding(ntoken, ninp)`"
@@ -223,4 +250,30 @@ RPC_RNN_TUTORIAL = [
     ("world_size = 2", "`world_size = 2`"),
     ("mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)",
      "`mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)`"),
+]
+
+RPC_RNN_NAMES = [
+    "class EmbeddingTable(nn.Module)",
+    "def EmbeddingTable.__init__(self, ntoken, ninp, dropout)",
+    "def EmbeddingTable.forward(self, input)",
+    "class Decoder(nn.Module)",
+    "def Decoder.__init__(self, ntoken, nhid, dropout)",
+    "def Decoder.forward(self, output)",
+    "class RNNModel(nn.Module)",
+    "def RNNModel.__init__(self, ps, ntoken, ninp, nhid, nlayers, dropout=0.5)",
+    "def RNNModel.forward(self, input, hidden)",
+    ("_remote_method(EmbeddingTable.forward, self.emb_table_rref, input)", "_remote_method"),
+    "def _parameter_rrefs(module)",
+    "def RNNModel.parameter_rrefs(self)",
+    "def run_trainer()",
+    "batch = 5",
+    "ntoken = 10",
+    "ninp = 2",
+    "nhid = 3",
+    "nindices = 3",
+    "nlayers = 4",
+    "def get_next_batch()",
+    ("_run_trainer()", "_run_trainer"),
+    "def run_worker(rank, world_size)",
+    "world_size = 2",
 ]
