@@ -51,3 +51,38 @@ def refused_before_launch(main, argv: list[str], capsys, monkeypatch) -> str:
     assert exit_info.value.code == 2, err
     assert err.count("\n") == 1, err
     return err
+
+
+# assert_close's own tolerances for float32, for Python floats that hold float32 results (a
+# loss's .item()): given two floats, it would compare them as float64, to 1e-7.
+FLOAT32 = {"rtol": 1.3e-6, "atol": 1e-5}
+# A float32 loss below 10 printed to 4 decimals: half its last digit, plus float32's rounding.
+PRINTED_4 = 5e-5 + 2e-5
+
+
+# For a CPU capability torch reports, another that real machines run the same code with:
+# AVX-512 machines also run AVX2's kernels, and many machines have only AVX2. Not "default"
+# (ATen's scalar kernels) below AVX2: with them in the workers, BatchNorm over micro-batches of
+# 2 images moved a ResNet's second loss by 6 % (measured), a mismatch between kernels that no
+# run on one machine has.
+NARROWER_CAPABILITY = {"AVX512": "avx2"}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def workers_round_differently():
+    """Every process a test starts computes with other float rounding than the test's own
+    reference, where this CPU allows it: ATen's AVX2 kernels on an AVX-512 machine
+    (``ATEN_CPU_CAPABILITY``), so a float32 sum adds in another order, as on a user's
+    machine; ranks that share the cores also have fewer intra-op threads than this process.
+    A parity test whose tolerance is tuned to this machine's last bits then fails here, not
+    there (issue 32: AVX2 against AVX-512 turned a loss of 0.06872105 into 0.06872070).
+    ``test_workers_round_differently`` checks that it holds; yields the value set, or None."""
+    import torch
+
+    # read now, so that this process's own kernels are fixed before the variable is set
+    native = torch.backends.cpu.get_cpu_capability()
+    narrower = NARROWER_CAPABILITY.get(native)
+    with pytest.MonkeyPatch.context() as mp:
+        if narrower is not None:
+            mp.setenv("ATEN_CPU_CAPABILITY", narrower)
+        yield narrower

@@ -17,7 +17,7 @@ from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 
 import distkit
-from conftest import run_cli, run_torchrun
+from conftest import FLOAT32, PRINTED_4, run_cli, run_torchrun
 from ddp_rpc.main import build_parser, check_args, main, run_worker
 from ddp_rpc import trainer
 from ddp_rpc.report import _embedding_weight
@@ -107,13 +107,13 @@ def test_one_iteration_matches_single_process_maths(monkeypatch, capfd):
     assert not torch.allclose(grad_fc[0]["weight"], grad_fc[1]["weight"])
 
     for r, loss in zip(reports, losses):
-        torch.testing.assert_close(r.losses, [[loss]])
+        torch.testing.assert_close(r.losses, [[loss]], **FLOAT32)  # float32 losses, as floats
         # the loss the user reads: each trainer's log line and the master's summary (4 decimals)
         logged = _printed(rf"\[rank {r.rank}\] Training done for epoch 0: loss ({NUMBER})", printed)
-        assert logged == [pytest.approx(loss, abs=6e-5)], printed
+        assert logged == [pytest.approx(loss, abs=PRINTED_4)], printed
         summary = _printed(rf"trainer{r.rank}: loss ({NUMBER}) \(epoch 0\) -> ({NUMBER}) \(epoch 0\)",
                            printed)
-        assert summary == [pytest.approx(loss, abs=6e-5)] * 2, printed
+        assert summary == [pytest.approx(loss, abs=PRINTED_4)] * 2, printed
         for name, p in fc_after.items():
             torch.testing.assert_close(r.fc_after[name], p, msg=lambda m: f"trainer{r.rank} fc.{name}: {m}")
     torch.testing.assert_close(out["emb_after"], emb_after)

@@ -112,6 +112,18 @@ def test_cpu_is_chosen_without_gpus():
     assert distkit.backend_for(torch.device("cuda", 1)) == "nccl"
 
 
+@pytest.mark.fast
+def test_workers_round_differently(workers_round_differently):
+    """conftest's fixture holds: a process a test starts runs ATen's kernels one vector width
+    narrower than the test's own, so the parity tests compare across roundings."""
+    native = torch.backends.cpu.get_cpu_capability()
+    child = run_cli("-c", "import torch; print(torch.backends.cpu.get_cpu_capability())")
+    assert child.returncode == 0, child.stderr
+    if workers_round_differently is None:
+        pytest.skip(f"this CPU ({native}) has no second kind of kernels the check uses")
+    assert child.stdout.strip() == workers_round_differently.upper() != native
+
+
 def _collective_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     dist.init_process_group("gloo")
     t = torch.tensor([float(worker.rank + 1)])

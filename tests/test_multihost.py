@@ -40,7 +40,7 @@ import pytest
 import torch
 
 import distkit
-from conftest import REPO, run_cli
+from conftest import FLOAT32, PRINTED_4, REPO, run_cli
 from pipelining_transformer import checkpoint
 
 SUBNET = "10.231.0"
@@ -254,7 +254,7 @@ def test_ddp_rpc_roles_spread_over_three_hosts(hosts, tmp_path):
     # trained as on one host: the same losses, the same DDP-averaged fc on both trainers,
     # the same embedding table after both trainers' steps
     for report, expected in zip(out["trainers"], ref["trainers"]):
-        torch.testing.assert_close(report.losses, expected.losses)
+        torch.testing.assert_close(report.losses, expected.losses, **FLOAT32)
         for name, p in expected.fc_after.items():
             torch.testing.assert_close(report.fc_before[name], expected.fc_before[name])
             torch.testing.assert_close(report.fc_after[name], p)
@@ -264,7 +264,7 @@ def test_ddp_rpc_roles_spread_over_three_hosts(hosts, tmp_path):
     # and each trainer logged its loss on its own host (4 decimals)
     for rank, run in ((0, runs[0]), (1, runs[1])):
         printed = _printed(rf"\[rank {rank}\] Training done for epoch 0: loss ([\d.]+)", run.output)
-        torch.testing.assert_close(printed, ref["trainers"][rank].losses[0], rtol=0, atol=1e-4)
+        torch.testing.assert_close(printed, ref["trainers"][rank].losses[0], rtol=0, atol=PRINTED_4)
     assert "fc identical on all trainers: True" in runs[1].output
 
     # binds where the user said: the store on --master_addr, gloo and TensorPipe on the
@@ -325,7 +325,7 @@ def test_pipelining_transformer_one_stage_per_host(hosts, tmp_path, rendezvous, 
     # the host with the last stage logs the loss of every step (4 decimals: atol 1e-4)
     printed = [_printed(r"\[rank \d\] step \d+/\d+  loss ([\d.]+)", run.output) for run in runs]
     assert sorted(map(len, printed)) == [0, len(expected)], _outputs(runs)
-    torch.testing.assert_close(max(printed, key=len), expected, rtol=0, atol=1e-4,
+    torch.testing.assert_close(max(printed, key=len), expected, rtol=0, atol=PRINTED_4,
                                msg=lambda m: f"{m}\n{_outputs(runs)}")
 
     # gloo binds to GLOO_SOCKET_IFNAME's address; torchrun's own store (the master port,
@@ -370,10 +370,10 @@ def test_pipelining_transformer_dp2_x_pp2_one_replica_per_host(hosts, tmp_path):
     # both replicas: the one-machine run's, every step
     printed = [_printed(r"\[rank \d\] step \d+/\d+  loss ([\d.]+)", run.output) for run in runs]
     assert len(printed[1]) == 0, _outputs(runs)
-    torch.testing.assert_close(printed[0], expected, rtol=0, atol=1e-4,
+    torch.testing.assert_close(printed[0], expected, rtol=0, atol=PRINTED_4,
                                msg=lambda m: f"{m}\n{_outputs(runs)}")
     logged = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    torch.testing.assert_close(logged, expected, msg=lambda m: f"{m}\n{_outputs(runs)}")
+    torch.testing.assert_close(logged, expected, **FLOAT32, msg=lambda m: f"{m}\n{_outputs(runs)}")
     for run in runs:
         _assert_bound_to_own_address(run, ignore_ports=(DP_PORT,))
 

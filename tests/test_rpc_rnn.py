@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.optim as optim
 
 import distkit
-from conftest import run_cli, run_torchrun
+from conftest import FLOAT32, run_cli, run_torchrun
 from rpc_rnn.main import build_parser, check_args, get_next_batch, make_stream, run_worker
 from rpc_rnn.rnn import Decoder, EmbeddingTable
 
@@ -94,7 +94,7 @@ def test_run_trainer_matches_single_process_training():
         torch.testing.assert_close(out["initial"][name], p.detach(), rtol=0, atol=0)
 
     losses, final = reference_training(args, out["initial"])
-    torch.testing.assert_close(out["losses"], losses)
+    torch.testing.assert_close(out["losses"], losses, **FLOAT32)  # means of float32 losses
     assert sorted(out["final"]) == sorted(final)
     for name, p in final.items():
         torch.testing.assert_close(out["final"][name], p.detach(), msg=lambda m: f"{name}: {m}")
