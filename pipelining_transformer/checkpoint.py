@@ -1,11 +1,13 @@
 """Checkpoints that do not care how the model was split: ``torch.distributed.checkpoint``.
 
 Each rank saves what its stages hold under the full model's names, in one directory per
-step (``step_<N>/``)::
+step (``step_<N>/``), as PyTorch's ``get_state_dict`` names it with
+``flatten_optimizer_state_dict=True``::
 
     model.<param name>            the weights                  ("model.layers.5.linear1.weight")
-    optim.<param name>.<key>      that parameter's optimizer state (AdamW: step, exp_avg,
-                                  exp_avg_sq; SGD: momentum_buffer)
+    optim.state.<param name>.<key>  that parameter's optimizer state (AdamW: step, exp_avg,
+                                  exp_avg_sq; SGD with momentum: momentum_buffer)
+    optim.param_groups.<param name>.<key>  its hyper-parameters (lr, betas, ...)
     progress.step                 optimizer steps taken = index of the next batch to read
     progress.<flag>               the flags that fix the data stream (--seed, --batch_size,
                                   --seq_len, --vocab_size): with the step, the data position
@@ -15,11 +17,13 @@ step (``step_<N>/``)::
 
 Because nothing in the keys says which stage or rank wrote them, any split (2 stages, 4
 stages, one process with the whole ``Transformer``) loads any checkpoint: each process asks
-for the keys of the parameters it holds. A checkpoint counts only once rank 0 has written
-``COMPLETE`` (after a barrier, so after every rank's files are on disk); the marker lists
-every file and its size, so a directory cut short by a crash, or a file truncated since,
-is refused instead of loaded; so is one whose marker or ``.metadata`` cannot be read, and
-a resume whose data settings differ from the saved ones (it would read another stream).
+for the keys of the parameters it holds, and ``set_state_dict`` puts them back. A checkpoint
+counts only once rank 0 has written ``COMPLETE`` (after a barrier, so after every rank's
+files are on disk). DCP's own commit, ``.metadata`` written last, says the save finished;
+the marker is kept because it also lists every file and its size, so a file truncated since
+is refused instead of loaded (``test_truncated_or_unfinished_checkpoint_is_refused``); so is
+one whose marker or ``.metadata`` cannot be read, and a resume whose data settings differ
+from the saved ones (it would read another stream).
 
 The random states go back to their ranks only in the layout that saved them: there rank r
 runs the same stages on the same micro-batches, so it draws the same dropout masks as an
@@ -42,7 +46,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipelining_transformer.model import ModelArgs, Transformer
 
@@ -52,6 +56,8 @@ COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"step_(\d+)")
 # what each --optimizer keeps per parameter (AdamW without amsgrad)
 OPTIMIZER_KEYS = {"adamw": {"step", "exp_avg", "exp_avg_sq"}, "sgd": {"momentum_buffer"}}
+# the optimizer's state and hyper-parameters by parameter name, not by index: any split loads them
+BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 # the flags whose values, with the step, say which batch comes next (see synthetic_batch)
 DATA_FLAGS = ("seed", "batch_size", "seq_len", "vocab_size")
 
@@ -89,16 +95,21 @@ def _device(parts: list) -> torch.device:
     return next(p.device for module, _ in parts for p in module.parameters())
 
 
-def _state(parts: Parts, step: int, data: Mapping[str, int], layout: str | None = None) -> dict:
+def _state_dicts(parts: list) -> list[tuple[dict, dict]]:
+    """Each part's model and optimizer state dicts, PyTorch's, by parameter name (sharded ones,
+    of --dp_size > 1, as DTensors). An optimizer that has not stepped yet gets its state made
+    here, so that a load has room for what the checkpoint holds."""
+    return [get_state_dict(module, opt, options=BY_NAME) for module, opt in parts]
+
+
+def _state(parts: Parts, step: int, data: Mapping[str, int], layout: str | None = None,
+           dicts: list[tuple[dict, dict]] | None = None) -> dict:
+    """What ``save`` writes: the parts' state dicts (``dicts``, or made now), the progress, and
+    with a ``layout`` this rank's random state."""
     parts = list(parts)
-    model, optim = {}, {}
-    for module, opt in parts:
-        for name, p in module.named_parameters():
-            model[name] = p.detach()
-            # optimizer state on the CPU: a checkpoint does not depend on the device either
-            # (DCP saves a sharded one, of --dp_size > 1, from wherever its shards are)
-            optim[name] = {k: v.detach() if isinstance(v, DTensor) else v.detach().cpu()
-                           for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+    dicts = _state_dicts(parts) if dicts is None else dicts
+    model = {k: v for part_model, _ in dicts for k, v in part_model.items()}
+    optim = {k: v for _, part_optim in dicts for k, v in part_optim.items()}
     progress = {"step": torch.tensor(step), **{k: torch.tensor(v) for k, v in data.items()}}
     state = {"model": model, "optim": optim, "progress": progress}
     if layout is not None:
@@ -232,7 +243,8 @@ def incompatibility(path: str | os.PathLike, model_args: ModelArgs, optimizer: s
             return f"it has no {name}"
         if tuple(meta.size) != tuple(p.shape):
             return f"its {name} is {tuple(meta.size)}, this model's is {tuple(p.shape)}"
-        keys = {k.removeprefix(f"optim.{name}.") for k in saved if k.startswith(f"optim.{name}.")}
+        prefix = f"optim.state.{name}."
+        keys = {k.removeprefix(prefix) for k in saved if k.startswith(prefix)}
         if keys and keys != OPTIMIZER_KEYS[optimizer]:
             return f"its optimizer state ({', '.join(sorted(keys))}) is not --optimizer {optimizer}'s"
     return None
@@ -271,17 +283,6 @@ def same_on_every_rank(path: str | None) -> str | None:
     return path
 
 
-def _room_for(meta: TensorStorageMetadata, param: torch.Tensor) -> torch.Tensor:
-    """An empty tensor to load the saved state ``meta`` of ``param`` into.
-
-    State shaped like a parameter sharded over the dp group (FSDP2, --dp_size > 1) is
-    sharded like it, so that each rank reads only its own part; any other state is whole.
-    """
-    if isinstance(param, DTensor) and tuple(meta.size) == tuple(param.shape):
-        return torch.empty_like(param, dtype=meta.properties.dtype)
-    return torch.empty(meta.size, dtype=meta.properties.dtype)
-
-
 def load(path: str | os.PathLike, parts: Parts, layout: str | None = None) -> int:
     """Load the weights and optimizer state of ``parts``' parameters; return the step saved.
 
@@ -292,7 +293,8 @@ def load(path: str | os.PathLike, parts: Parts, layout: str | None = None) -> in
     path = Path(path)
     parts = list(parts)
     saved = _metadata(path)
-    state = _state(parts, 0, {})  # the weights load in place, into the parameters themselves
+    dicts = _state_dicts(parts)
+    state = _state(parts, 0, {}, dicts=dicts)  # room for every tensor, under the saved keys
     if layout is not None and "progress.seed" in saved:
         state["progress"]["seed"] = torch.tensor(0)
     mine = f"rng.rank_{_rank()}."
@@ -300,19 +302,12 @@ def load(path: str | os.PathLike, parts: Parts, layout: str | None = None) -> in
         state["rng"] = {"layout": "", f"rank_{_rank()}": {
             k.removeprefix(mine): torch.empty(m.size, dtype=m.properties.dtype)
             for k, m in saved.items() if k.startswith(mine)}}
-    for module, _ in parts:
-        for name, p in module.named_parameters():
-            # optimizers create their state lazily: make room for what the checkpoint has
-            prefix = f"optim.{name}."
-            state["optim"][name] = {k.removeprefix(prefix): _room_for(m, p)
-                                    for k, m in saved.items() if k.startswith(prefix)}
     dcp.load(state, checkpoint_id=path)
-    for module, opt in parts:
-        for name, p in module.named_parameters():
-            if state["optim"][name]:
-                # AdamW keeps its step count on the CPU unless capturable; the rest by the weight
-                opt.state[p] = {k: v if k == "step" else v.to(p.device)
-                                for k, v in state["optim"][name].items()}
+    for (module, opt), (part_model, part_optim) in zip(parts, dicts):
+        # each part takes its own keys, from ``state``: dcp.load put the hyper-parameters there
+        set_state_dict(module, opt, options=BY_NAME,
+                       model_state_dict={k: state["model"][k] for k in part_model},
+                       optim_state_dict={k: state["optim"][k] for k in part_optim})
     step = int(state["progress"]["step"])
     if layout is None:  # not a resume of training (a model loaded to look at): RNG untouched
         return step

@@ -193,6 +193,23 @@ def refused(capsys, monkeypatch):
     return lambda argv: refused_before_launch(main, [*TINY, *argv], capsys, monkeypatch)
 
 
+def test_a_load_restores_weights_optimizer_state_and_hyper_parameters(tmp_path):
+    """PyTorch's set_state_dict puts back all the saved optimizer held, by parameter name,
+    into an optimizer that has not stepped yet, made with another learning rate."""
+    args = make_args(*TINY)
+    model, opt = _one_step(args)
+    path = checkpoint.save(tmp_path, 1, [(model, opt)], data_settings_from(args))
+    other = Transformer(model_args_from(make_args(*TINY, "--seed", "9")))
+    other_opt = make_optimizer(args.optimizer, other.parameters(), args.lr * 7)
+    assert checkpoint.load(path, [(other, other_opt)]) == 1
+    assert other_opt.param_groups[0]["lr"] == args.lr  # the checkpoint's, as load_state_dict does
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(p, q), name
+        assert opt.state[p].keys() == other_opt.state[q].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, other_opt.state[q][key]), (name, key)
+
+
 def test_truncated_or_unfinished_checkpoint_is_refused(saved, refused):
     assert checkpoint.problem(saved) is None
     data = sorted(saved.glob("*.distcp"))[0]
