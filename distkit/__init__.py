@@ -9,6 +9,8 @@ Modules, each importing only those listed before it:
   args        the shared flags and their one-line refusals before launch
   timeline    spans and Chrome traces for the two pipeline examples
   stagetrace  the spans of torch.distributed.pipelining's stages, for --trace (imported on its own)
+  schedules   the pipelining schedules, where each puts its stages, and whether one can run a
+              micro-batch count: both pipeline examples check it (imported on its own)
 
 The distributed logic of each tutorial stays in its own package; this one only gets the
 processes started, talking to each other, and reliably stopped.

@@ -17,10 +17,11 @@ import os
 import torch
 
 import distkit
+from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem
 from pipelining_transformer import checkpoint
 from pipelining_transformer.layout import StageLayout
 from pipelining_transformer.model import ModelArgs
-from pipelining_transformer.schedules import SCHEDULES, num_stages_for, schedule_problem, stage_bounds
+from pipelining_transformer.schedules import stage_bounds
 
 
 def schedule_name(text: str) -> str:

@@ -20,9 +20,10 @@ from typing import Protocol
 
 import torch
 
+from distkit.schedules import num_stages_for, stage_indices_for
 from pipelining_transformer import balance
 from pipelining_transformer.model import Transformer
-from pipelining_transformer.schedules import num_stages_for, stage_bounds, stage_indices_for
+from pipelining_transformer.schedules import stage_bounds
 
 
 class Place(Protocol):

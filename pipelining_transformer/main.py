@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
 
 import distkit
+from distkit.schedules import SCHEDULES
 from pipelining_transformer import callbacks, dp, extras, schedules
 from pipelining_transformer.cli import (add_extra_args, check_args, model_args_from, rank_placement,
                                         schedule_name)
@@ -49,7 +50,6 @@ from pipelining_transformer.cli import placement  # noqa: F401  (where each rank
 from pipelining_transformer.layout import StageLayout, stage_layout
 from pipelining_transformer.model import (ModelArgs, Transformer, make_optimizer, synthetic_batch,
                                           tokenwise_loss_fn)
-from pipelining_transformer.schedules import SCHEDULES
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 # would otherwise have to re-derive per schedule.
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
+from distkit.schedules import SCHEDULES, num_stages_for, stage_indices_for
 from distkit.timeline import Span
-from pipelining_transformer.schedules import SCHEDULES, num_stages_for, stage_indices_for
 
 # The cost model of the plan, in units of one stage's forward of one micro-batch
 COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}

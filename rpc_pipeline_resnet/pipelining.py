@@ -36,8 +36,7 @@ import torch.optim as optim
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import distkit
-# the transformer example's check: builds the schedule around stand-in stages
-from pipelining_transformer.schedules import schedule_problem
+from distkit.schedules import schedule_problem  # builds the schedule around stand-in stages
 from rpc_pipeline_resnet.main import add_batch_args, check_batch_args, feature_size
 from rpc_pipeline_resnet.measure import print_report, steady_malloc
 from rpc_pipeline_resnet.model import ResNetBase, ResNetShard1, ResNetShard2

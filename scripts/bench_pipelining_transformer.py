@@ -54,11 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 import pipelining_transformer.main as example  # noqa: E402
 from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
+from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem  # noqa: E402
 from pipelining_transformer.cli import layer_count  # noqa: E402
 from pipelining_transformer.main import PipelineRank  # noqa: E402
 from pipelining_transformer.model import (  # noqa: E402
     Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn)
-from pipelining_transformer.schedules import SCHEDULES, num_stages_for, schedule_problem  # noqa: E402
 from pipelining_transformer.planned import ideal_bubble  # noqa: E402
 
 HEADER = ["schedule", "split", "m", "step ms", "tokens/s", "local step ms", "local tokens/s", "speed-up",

@@ -69,7 +69,7 @@ import distkit  # noqa: E402
 import rpc_pipeline_resnet.main as example  # noqa: E402
 import rpc_pipeline_resnet.pipelining as pp_example  # noqa: E402
 from benchlib import check_at_least, describe_machine, format_table, median  # noqa: E402
-from pipelining_transformer.schedules import schedule_problem  # noqa: E402
+from distkit.schedules import schedule_problem  # noqa: E402
 from rpc_pipeline_resnet.measure import classic_bound, cores, steady_malloc  # noqa: E402
 from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2  # noqa: E402
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from pipelining_transformer.schedules import schedule_problem
+from distkit.schedules import schedule_problem
 
 sys.path.insert(0, str(REPO / "scripts"))
 

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
+from distkit.schedules import SCHEDULES, num_stages_for
 from pipelining_transformer import main as example
-from pipelining_transformer.schedules import SCHEDULES, num_stages_for
 from pipelining_transformer.planned import action_table, plan
 
 ZERO_BUBBLE = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]

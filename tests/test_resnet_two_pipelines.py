@@ -21,8 +21,8 @@ import distkit
 from conftest import REPO, refused_before_launch, run_cli, run_torchrun
 import rpc_pipeline_resnet.main as rpc_example
 import rpc_pipeline_resnet.pipelining as pp_example
+from distkit.schedules import schedule_problem
 from distkit.timeline import read_chrome_trace
-from pipelining_transformer.schedules import schedule_problem
 from rpc_pipeline_resnet.measure import Meter, print_report
 from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2
 from rpc_pipeline_resnet.stage_meter import StageMeter
