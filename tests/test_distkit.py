@@ -89,6 +89,28 @@ def test_the_import_graph_sees_every_kind_of_import(tmp_path):
     assert import_cycle(package_imports(pkg)) == ["a", "b", "c", "a"]
 
 
+def imported_packages(package: Path) -> set[str]:
+    """The top-level names ``package``'s modules import (absolute imports, at any depth)."""
+    found = set()
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[0] for a in node.names)
+    return found
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", PACKAGES[1:])
+def test_no_example_imports_another(name):
+    """What one example needs lives in it or in distkit (issue 33): an example can be read,
+    copied or moved alone. distkit imports no example either."""
+    assert imported_packages(REPO / "distkit").isdisjoint(PACKAGES[1:])
+    others = imported_packages(REPO / name) & (set(PACKAGES[1:]) - {name})
+    assert not others, f"{name} imports {sorted(others)}"
+
+
 @pytest.mark.fast
 def test_distkit_is_small():
     package = REPO / "distkit"
