@@ -1,6 +1,8 @@
 """Shared test helpers: every test runs real processes on the CPU with gloo."""
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
 import re
 import subprocess
@@ -10,6 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# the sections of every example README that tests/test_tutorial_maps.py reads
+HEADING = "## Where each tutorial step is"
+DIFFERS = "## What differs from the tutorial, and why"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -17,6 +22,16 @@ def pytest_configure(config: pytest.Config) -> None:
     # process and every one it starts). The GPU tier, selected with `-m cuda`, sees them.
     if not re.search(r"(?<!not )\bcuda\b", config.getoption("markexpr") or ""):
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+
+def checked_args(example: str, *argv: str) -> argparse.Namespace:
+    """``argv`` as ``example``'s own ``build_parser`` and ``check_args`` leave it (``example``:
+    a module, "rpc_rl.main"), the namespace a run gets. Each test file's ``make_args``."""
+    module = importlib.import_module(example)  # here, not above: no torch before pytest_configure
+    parser = module.build_parser()
+    args = parser.parse_args(list(argv))
+    module.check_args(parser, args)
+    return args
 
 
 def run_cli(*argv: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:

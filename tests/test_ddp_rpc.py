@@ -17,8 +17,8 @@ from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 
 import distkit
-from conftest import FLOAT32, PRINTED_4, run_cli, run_torchrun
-from ddp_rpc.main import build_parser, check_args, main, run_worker
+from conftest import FLOAT32, PRINTED_4, checked_args, run_cli, run_torchrun
+from ddp_rpc.main import main, run_worker
 from ddp_rpc import trainer
 from ddp_rpc.report import _embedding_weight
 from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch
@@ -28,10 +28,7 @@ NUMBER = r"[-+]?\d+\.\d+"
 
 
 def make_args(*argv: str) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(list(argv))
-    check_args(parser, args)
-    return args
+    return checked_args("ddp_rpc.main", *argv)
 
 
 def test_batches_are_seeded_valid_bags_and_differ_per_trainer():

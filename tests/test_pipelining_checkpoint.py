@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 import distkit
-from conftest import REPO, refused_before_launch, run_cli
+from conftest import REPO, checked_args, refused_before_launch, run_cli
 from pipelining_transformer import checkpoint
 from pipelining_transformer.cli import data_settings_from
-from pipelining_transformer.main import build_parser, build_rank, check_args, init_distributed, main, model_args_from
+from pipelining_transformer.main import build_rank, init_distributed, main, model_args_from
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 
 # dropout 0 for the comparisons across splits: another layout draws other dropout masks
@@ -31,10 +31,7 @@ SAVED_AT = 2  # the cross-split test saves after this many steps
 
 
 def make_args(*argv: str) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(list(argv))
-    check_args(parser, args)
-    return args
+    return checked_args("pipelining_transformer.main", *argv)
 
 
 def logged_losses(path) -> list[tuple[int, float]]:

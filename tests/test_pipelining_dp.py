@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import distkit
-from conftest import PRINTED_4, refused_before_launch, run_cli
+from conftest import PRINTED_4, checked_args, refused_before_launch, run_cli
 from distkit.schedules import SCHEDULES
 from pipelining_transformer import checkpoint
-from pipelining_transformer.main import build_parser, check_args, init_distributed, main, model_args_from
+from pipelining_transformer.main import init_distributed, main, model_args_from
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 from test_pipelining_transformer import train_recorded
 
@@ -39,10 +39,7 @@ RUNS = {
 
 
 def make_args(*argv: str) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(list(argv))
-    check_args(parser, args)
-    return args
+    return checked_args("pipelining_transformer.main", *argv)
 
 
 def _whole(t: torch.Tensor | None) -> torch.Tensor | None:

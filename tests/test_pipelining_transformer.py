@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 import distkit
-from conftest import PRINTED_4, refused_before_launch, run_cli, run_torchrun
+from conftest import PRINTED_4, checked_args, refused_before_launch, run_cli, run_torchrun
 from distkit.schedules import SCHEDULES, stage_indices_for
 from pipelining_transformer import callbacks
-from pipelining_transformer.main import build_parser, check_args, init_distributed, main, model_args_from, train
+from pipelining_transformer.main import init_distributed, main, model_args_from, train
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 from pipelining_transformer.balance import HalfLayer, choose_split
 from pipelining_transformer.layout import StageLayout, stage_layout
@@ -50,10 +50,7 @@ RUNS = {
 
 
 def make_args(*argv: str) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(list(argv))
-    check_args(parser, args)
-    return args
+    return checked_args("pipelining_transformer.main", *argv)
 
 
 def tiny_args(world_size: int, *argv: str) -> argparse.Namespace:

@@ -16,8 +16,8 @@ import ast
 
 import pytest
 
-from conftest import REPO
-from test_tutorial_maps import DIFFERS, PIPELINING_TUTORIAL
+from conftest import DIFFERS, REPO
+from tutorial_lines_pipelining import PIPELINING_TUTORIAL
 
 pytestmark = pytest.mark.fast
 

@@ -22,10 +22,10 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
 import distkit
-from conftest import refused_before_launch, run_cli, run_torchrun
+from conftest import checked_args, refused_before_launch, run_cli, run_torchrun
 from distkit.timeline import read_chrome_trace
 import rpc_pipeline_resnet.main as example
-from rpc_pipeline_resnet.main import (WORKERS, build_parser, check_args, final_feature_size,
+from rpc_pipeline_resnet.main import (WORKERS, final_feature_size,
                                       main, rpc_backend_options, run_worker)
 from rpc_pipeline_resnet.measure import Meter, print_report, report, state_digest
 from rpc_pipeline_resnet.model import DistResNet50, ResNetShard1, ResNetShard2
@@ -45,10 +45,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 
 def make_args(*argv: str) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(list(argv))
-    check_args(parser, args)
-    return args
+    return checked_args("rpc_pipeline_resnet.main", *argv)
 
 
 def _state(module_rref: RRef) -> dict[str, torch.Tensor]:

@@ -13,18 +13,15 @@ import torch.nn.functional as F
 from torch.distributions import Categorical
 
 import distkit
-from conftest import FLOAT32, refused_before_launch, run_cli, run_torchrun
+from conftest import FLOAT32, checked_args, refused_before_launch, run_cli, run_torchrun
 from rpc_rl.agent import AGENT_NAME, Agent, Policy, discounted_returns
 from rpc_rl.batched import BatchAgent, BatchObserver
-from rpc_rl.main import build_parser, check_args, run_worker
+from rpc_rl.main import build_parser, run_worker
 from rpc_rl.play import load_policy, play, save_policy
 
 
 def make_args(*argv: str) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(list(argv))
-    check_args(parser, args)
-    return args
+    return checked_args("rpc_rl.main", *argv)
 
 
 def test_discounted_returns_by_hand():

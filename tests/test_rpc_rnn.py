@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.optim as optim
 
 import distkit
-from conftest import FLOAT32, run_cli, run_torchrun
-from rpc_rnn.main import build_parser, check_args, get_next_batch, make_stream, run_worker
+from conftest import FLOAT32, checked_args, run_cli, run_torchrun
+from rpc_rnn.main import get_next_batch, make_stream, run_worker
 from rpc_rnn.rnn import Decoder, EmbeddingTable
 
 SIZES = dict(ntoken=7, ninp=4, nhid=5, nlayers=2, seq_len=3, batch_size=4)
@@ -19,10 +19,7 @@ LR = 0.05  # the tutorial's learning rate
 
 
 def make_args(*argv: str) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(list(argv))
-    check_args(parser, args)
-    return args
+    return checked_args("rpc_rnn.main", *argv)
 
 
 def test_batches_are_consecutive_next_token_pairs():

@@ -1,0 +1,112 @@
+"""The code lines of "Introduction to Distributed Pipeline Parallelism", as data (as of
+2026-11-24; the tutorials' text is not part of this repository).
+
+PIPELINING_TUTORIAL: each code line of the tutorial with the text of
+pipelining_transformer/README.md's step map or "What differs" section that accounts for it:
+the step or the code named, or a difference. A tutorial line that no row and no difference
+covers is a step a learner cannot find (tests/test_tutorial_maps.py checks that the text is
+there; tests/test_pipelining_tutorial_path.py reads them too).
+
+PIPELINING_NAMES: what the tutorial defines and calls that a learner looks for, as the
+tutorial wrote it; each must be in the example's code in that shape, or the README's "What
+differs" section must name it (tests/test_tutorial_maps.py says what counts).
+"""
+from __future__ import annotations
+
+PIPELINING_TUTORIAL = [
+    ("@dataclass", "`class ModelArgs`"),
+    ("class ModelArgs:", "`class ModelArgs`"),
+    ("dim: int = 512", "`class ModelArgs`"),
+    ("n_layers: int = 8", "`class ModelArgs`"),
+    ("n_heads: int = 8", "`class ModelArgs`"),
+    ("vocab_size: int = 10000", "`class ModelArgs`"),
+    ("class Transformer(nn.Module):", "`class Transformer`"),
+    ("def __init__(self, model_args: ModelArgs):", "`class Transformer`"),
+    ("self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)", "`class Transformer`"),
+    ("self.layers = torch.nn.ModuleDict()", "`class Transformer`"),
+    ("for layer_id in range(model_args.n_layers):", "`class Transformer`"),
+    ("self.layers[str(layer_id)] = nn.TransformerDecoderLayer(model_args.dim, model_args.n_heads)",
+     "**`batch_first=True`** in `nn.TransformerDecoderLayer`"),
+    ("self.norm = nn.LayerNorm(model_args.dim)", "`class Transformer`"),
+    ("self.output = nn.Linear(model_args.dim, model_args.vocab_size)", "`class Transformer`"),
+    ("def forward(self, tokens: torch.Tensor):", "`class Transformer`"),
+    ("h = self.tok_embeddings(tokens) if self.tok_embeddings else tokens", "`class Transformer`"),
+    ("for layer in self.layers.values():", "`class Transformer`"),
+    ("h = layer(h, h)", "`class Transformer`"),
+    ("h = self.norm(h) if self.norm else h", "`class Transformer`"),
+    ("output = self.output(h).clone() if self.output else h", "`class Transformer`"),
+    ("return output", "`class Transformer`"),
+    ("global rank, device, pp_group, stage_index, num_stages", "The tutorial's globals are one `DistEnv` value"),
+    ("def init_distributed():", "`def init_distributed`"),
+    ('rank = int(os.environ["LOCAL_RANK"])', "**`RANK`, not `LOCAL_RANK`**"),
+    ('world_size = int(os.environ["WORLD_SIZE"])', "`def init_distributed`"),
+    ('device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")',
+     "CUDA only where every local process gets"),
+    ("dist.init_process_group()", "`dist.init_process_group`"),
+    ("pp_group = dist.new_group()", "`mesh[\"pp\"].get_group()`"),
+    ("stage_index = rank", "The tutorial's globals are one `DistEnv` value"),
+    ("num_stages = world_size", "The tutorial's globals are one `DistEnv` value"),
+    ("def manual_model_split(model) -> PipelineStage:", "`def manual_model_split`"),
+    ("if stage_index == 0:", "instead of the hard-coded `range(4, 8)`"),
+    ("for i in range(4, 8):", "instead of the hard-coded `range(4, 8)`"),
+    ("del model.layers[str(i)]", "`del model.layers[i]`"),
+    ("model.norm = None", "parts set to `None`"),
+    ("model.output = None", "parts set to `None`"),
+    ("elif stage_index == 1:", "instead of the hard-coded `range(4, 8)`"),
+    ("for i in range(4):", "instead of the hard-coded `range(4, 8)`"),
+    ("model.tok_embeddings = None", "parts set to `None`"),
+    ("stage = PipelineStage(model, stage_index, num_stages, device)", "`PipelineStage(`"),
+    ("return stage", "`PipelineStage(`"),
+    ("def tracer_model_split(model, example_input_microbatch) -> PipelineStage:", "`def tracer_model_split`"),
+    ("pipe = pipeline(module=model, mb_args=(example_input_microbatch,), split_spec={...})", "`pipeline(`"),
+    ('"layers.4": SplitPoint.BEGINNING', "`SplitPoint.BEGINNING`"),
+    ("stage = pipe.build_stage(stage_index, device, pp_group)", "`pipe.build_stage`"),
+    ('if __name__ == "__main__":', "`torchrun --nproc_per_node 2`"),
+    ("init_distributed()", "`def init_distributed`"),
+    ("num_microbatches = 4", "`num_microbatches = 4`"),
+    ("model_args = ModelArgs()", "`class ModelArgs`"),
+    ("model = Transformer(model_args)", "`model = Transformer(model_args)`"),
+    ("x = torch.ones(32, 500, dtype=torch.long)", "**Learnable, seeded data**"),
+    ("y = torch.randint(0, model_args.vocab_size, (32, 500), dtype=torch.long)", "**Learnable, seeded data**"),
+    ("example_input_microbatch = x.chunk(num_microbatches)[0]", "`example_input_microbatch`"),
+    ("stage = manual_model_split(model)", "Option 1, manual model splitting"),
+    ("# stage = tracer_model_split(model, example_input_microbatch)", "Option 2, tracer model splitting"),
+    ("model.to(device)", "`model.to(device)`"),
+    ("x = x.to(device)", "`x = x.to(device)`"),
+    ("y = y.to(device)", "`y = y.to(device)`"),
+    ("def tokenwise_loss_fn(outputs, targets):", "`def tokenwise_loss_fn`"),
+    ("loss_fn = nn.CrossEntropyLoss()", "**`tokenwise_loss_fn`** is a module-level function"),
+    ("outputs = outputs.reshape(-1, model_args.vocab_size)", "**`tokenwise_loss_fn`** is a module-level function"),
+    ("targets = targets.reshape(-1)", "**`tokenwise_loss_fn`** is a module-level function"),
+    ("return loss_fn(outputs, targets)", "`def tokenwise_loss_fn`"),
+    ("schedule = ScheduleGPipe(stage, n_microbatches=num_microbatches, loss_fn=tokenwise_loss_fn)",
+     "`ScheduleGPipe(stages[0], n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)`"),
+    ("if rank == 0:", "`if rank == 0: schedule.step(x)`"),
+    ("schedule.step(x)", "`self.schedule.step(x)`"),
+    ("elif rank == 1:", "`elif rank == 1: schedule.step(target=y, losses=losses)`"),
+    ("losses = []", "`elif rank == 1: schedule.step(target=y, losses=losses)`"),
+    ("output = schedule.step(target=y, losses=losses)", "`self.schedule.step(target=y, losses=losses)`"),
+    ('print(f"losses: {losses}")', '`print(f"losses: {losses}")`'),
+    ("dist.destroy_process_group()", "`dist.destroy_process_group()`"),
+    ("torchrun --nnodes 1 --nproc_per_node 2 pipelining_tutorial.py", "`torchrun --nnodes 1 --nproc_per_node 2 ...`"),
+]
+# What the tutorial defines and calls that a learner looks for, as the tutorial wrote it (the
+# check is test_every_tutorial_name_is_in_the_code_or_named_in_what_differs).
+PIPELINING_NAMES = [
+    "num_microbatches = 4",
+    "class ModelArgs",
+    "dim: int = 512",
+    "n_layers: int = 8",
+    "n_heads: int = 8",
+    "vocab_size: int = 10000",
+    "class Transformer(nn.Module)",
+    "def Transformer.__init__(self, model_args: ModelArgs)",
+    "def Transformer.forward(self, tokens: torch.Tensor)",
+    "def init_distributed()",
+    "pp_group = dist.new_group()",
+    "stage_index = rank",
+    "num_stages = world_size",
+    "def manual_model_split(model) -> PipelineStage",
+    "def tracer_model_split(model, example_input_microbatch) -> PipelineStage",
+    "def tokenwise_loss_fn(outputs, targets)",
+]
