@@ -5,8 +5,12 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -66,6 +70,161 @@ def refused_before_launch(main, argv: list[str], capsys, monkeypatch) -> str:
     assert exit_info.value.code == 2, err
     assert err.count("\n") == 1, err
     return err
+
+
+# The examples as the fault and hang tests start them (tests/test_faults.py, test_hangs.py),
+# and a job: a CLI run in its own process group, its processes found through /proc.
+TINY_GPT = ("--dim", "32", "--n_layers", "2", "--n_heads", "2", "--vocab_size", "64")
+READY_TIMEOUT = 180  # a loaded 2-core CI machine needs a while to import torch N times
+
+
+@dataclass(frozen=True)
+class Example:
+    argv: tuple[str, ...]        # a run that trains for much longer than any test waits
+    ready: str                   # a line printed once training is under way
+    quick: tuple[str, ...]       # a run that finishes in seconds, exit status 0
+    fault_rank: int              # the rank whose code is made to raise
+    fault_target: str            # "module:attribute.path" that raises on its 2nd call
+    hung_rank: int | None = None  # a rank the driving rank waits on: SIGSTOPped, it must time out
+    driver: int = 0              # the rank that then reports the failure
+    diverge: tuple[str, ...] = ()  # flags that make the loss non-finite (quick run + these)
+    module: str = ""             # the module whose main() argv[0] runs (default: <name>.main)
+
+
+def module_of(name: str) -> str:
+    return EXAMPLES[name].module or f"{name}.main"
+
+
+EXAMPLES = {
+    "rpc_rl": Example(
+        ("rpc_rl/main.py", "--world_size", "3", "--max_episodes", "100000", "--log_interval", "1"),
+        r"Episode 1\t",
+        ("rpc_rl/main.py", "--world_size", "2", "--reward_threshold", "0.5"),
+        0, "rpc_rl.agent:Agent.finish_episode", hung_rank=2, driver=0),
+    "ddp_rpc": Example(
+        ("ddp_rpc/main.py", "--epochs", "100000", "--batches_per_epoch", "2", "--batch_size", "4"),
+        r"loss",
+        ("ddp_rpc/main.py", "--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "4"),
+        0, "torch.distributed.autograd:backward", hung_rank=1, driver=2,
+        diverge=("--lr", "1e30", "--epochs", "3", "--batches_per_epoch", "2")),
+    "rpc_rnn": Example(
+        ("rpc_rnn/main.py", "--epochs", "100000", "--batches", "2"),
+        r"loss",
+        ("rpc_rnn/main.py", "--epochs", "1", "--batches", "2"),
+        1, "torch.distributed.autograd:backward", hung_rank=0, driver=1,
+        diverge=("--lr", "3e38", "--batches", "3")),
+    "rpc_pipeline_resnet": Example(
+        ("rpc_pipeline_resnet/main.py", "--batch_size", "4", "--image_size", "32", "--splits", "2",
+         "--num_batches", "100000"),
+        r"Processing batch",
+        ("rpc_pipeline_resnet/main.py", "--batch_size", "4", "--image_size", "32", "--splits", "2",
+         "--num_batches", "1"),
+        0, "torch.distributed.autograd:backward", hung_rank=2, driver=0),
+    # the same ResNet halves with torch.distributed.pipelining: rank 1 computes the loss;
+    # --splits 2, since torch 2.10's GPipe refuses 1 split for 2 stages
+    "rpc_pipeline_resnet.pipelining": Example(
+        ("rpc_pipeline_resnet/pipelining.py", "--batch_size", "4", "--image_size", "32",
+         "--splits", "2", "--num_batches", "100000"),
+        r"Processing batch",
+        ("rpc_pipeline_resnet/pipelining.py", "--batch_size", "4", "--image_size", "32",
+         "--splits", "2", "--num_batches", "1"),
+        1, "torch.optim.sgd:SGD.step", diverge=("--lr", "1e30", "--num_batches", "2"),
+        module="rpc_pipeline_resnet.pipelining"),
+    "pipelining_transformer": Example(
+        ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "100000"),
+        r"step 1/",
+        ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "4"),
+        1, "pipelining_transformer.main:PipelineRank.optimizer_step",
+        diverge=("--lr", "1e30")),
+}
+
+
+class Job:
+    """A CLI run in its own process group, with its output collected as it comes."""
+
+    def __init__(self, argv: tuple[str, ...]) -> None:
+        # SIGINT back to its default: a suite started in the background by a shell (`cmd &`,
+        # nohup) inherits SIGINT ignored, and Python leaves an ignored SIGINT ignored, so the
+        # launcher would never see the Ctrl+C that a user's foreground run gets
+        self.proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(s, b), daemon=True)
+                         for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
+
+    @staticmethod
+    def _read(stream, sink: list[str]) -> None:
+        for line in stream:
+            sink.append(line)
+
+    def wait_for(self, pattern: str, timeout: float = READY_TIMEOUT) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if any(re.search(pattern, line) for line in list(self.out)):
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"exited {self.proc.returncode} before {pattern!r}:\n{self.text()}")
+            time.sleep(0.2)
+        pytest.fail(f"no {pattern!r} within {timeout} s:\n{self.text()}")
+
+    def workers(self) -> list[int]:
+        """PIDs of the spawned workers, in the order they were started (rank order)."""
+        kids = children(self.proc.pid)
+        return sorted(p for p in kids if b"spawn_main" in cmdline(p))
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            for t in self._readers:
+                t.join(5)
+
+    def text(self) -> str:
+        return "".join(self.out) + "".join(self.err)
+
+    def kill(self) -> None:
+        """End the whole job, also when the launcher is gone already: a test that fails (its
+        guard broken) must not leave the job's workers running into the tests after it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the workers share the launcher's group
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+
+
+def children(pid: int) -> list[int]:
+    try:
+        kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in children(k)]
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_all_gone(pids: list[int], within: float) -> None:
+    deadline = time.time() + within
+    while time.time() < deadline and any(map(alive, pids)):
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "processes left behind"
 
 
 # assert_close's own tolerances for float32, for Python floats that hold float32 results (a

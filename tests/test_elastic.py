@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import Job, REPO, assert_all_gone, children, run_cli
 from pipelining_transformer import checkpoint
-from test_faults import Job, _children, assert_all_gone
 
 # the default --dropout 0.1: masks are drawn every step, so only a restored random state
 # makes a resumed run equal an uninterrupted one
@@ -58,7 +57,7 @@ def workers_by_rank(launcher: int) -> dict[int, int]:
     """The current workers of the torchrun with pid ``launcher`` (or below it),
     {rank: pid}, read from each one's environment."""
     found = {}
-    for pid in _children(launcher):
+    for pid in children(launcher):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import EXAMPLES, Job, assert_all_gone, children, cmdline, module_of, run_cli
 from distkit import watchdog
-from test_faults import EXAMPLES, Job, _children, _cmdline, assert_all_gone, module_of
 
 HANG_TIMEOUT = 5
 # the claiming rank waits up to 5 s for the others' stacks (watchdog.ANSWER_WAIT), the
@@ -63,8 +62,8 @@ def test_a_stopped_rank_ends_the_job_with_the_others_stacks(name, rank):
 def torchrun_workers(launcher: int, script: str) -> dict[int, int]:
     """{rank: pid} of the workers a torchrun process started."""
     found = {}
-    for pid in _children(launcher):
-        if script.encode() in _cmdline(pid) and b"torch.distributed.run" not in _cmdline(pid):
+    for pid in children(launcher):
+        if script.encode() in cmdline(pid) and b"torch.distributed.run" not in cmdline(pid):
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             rank = next(int(v.split(b"=")[1]) for v in env if v.startswith(b"RANK="))
             found[rank] = pid

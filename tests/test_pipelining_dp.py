@@ -19,11 +19,11 @@ from torch.distributed.tensor import DTensor
 
 import distkit
 from conftest import PRINTED_4, checked_args, refused_before_launch, run_cli
+from pipelining_recorded import train_recorded
 from distkit.schedules import SCHEDULES
 from pipelining_transformer import checkpoint
 from pipelining_transformer.main import init_distributed, main, model_args_from
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
-from test_pipelining_transformer import train_recorded
 
 # dropout 0 and SGD, as in test_pipelining_transformer.py (same reasons); 16 rows: 2 replicas
 # x 4 micro-batches of 2 rows
