@@ -114,11 +114,8 @@ def trainer_device_and_store(worker: distkit.Worker, args: argparse.Namespace) -
     """A trainer's device (set for ``_run_trainer``), its backend, and the store its DDP
     process group meets on. (The tutorial: ``cuda(rank)``, gloo, ``tcp://localhost:29500``.)"""
     trainers = num_trainers(worker.world_size)
-    where = placement(worker, args)
     # trainers on several machines: all NCCL or all gloo, or one line saying who sees what
-    distkit.agree_on_backend("trainers", worker.rank, trainers, where)
-    if where.device.type == "cuda":
-        torch.cuda.set_device(where.device)
+    where = distkit.take_placement("trainers", worker.rank, trainers, placement(worker, args))
     trainer.set_device(where.device)
     # The trainers' process group rendezvouses under its own key prefix in the job's store,
     # not on RPC's keys and not on a second hard-coded port.

@@ -32,6 +32,7 @@ from .device import (
     gpu_count,
     group_placement,
     pick_device,
+    take_placement,
     threads_per_process,
 )
 from .launch import launch, local_workers, parse_ranks
@@ -43,5 +44,5 @@ __all__ = [
     "backend_for", "check_finite", "check_launch_args", "check_path", "check_placements", "cleanup",
     "exit_process", "gpu_count", "group_placement", "job_store", "launch", "local_workers",
     "parse_ranks", "pick_device", "process_group_store", "require_positive",
-    "silence_torchscript_optimizer_warning", "threads_per_process", "under_torchrun",
+    "silence_torchscript_optimizer_warning", "take_placement", "threads_per_process", "under_torchrun",
 ]

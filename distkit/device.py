@@ -116,6 +116,16 @@ def agree_on_backend(group: str, group_rank: int, group_size: int, placement: Pl
         raise DeviceError(problem)
 
 
+def take_placement(group: str, group_rank: int, group_size: int, placement: Placement) -> Placement:
+    """Before ``init_process_group``, on every member of ``group``: check that all chose the
+    same backend (``agree_on_backend``), and make this rank's GPU, if it has one, the current
+    device. ``placement`` is the example's own choice, the one checked before launch."""
+    agree_on_backend(group, group_rank, group_size, placement)
+    if placement.device.type == "cuda":
+        torch.cuda.set_device(placement.device)
+    return placement
+
+
 def backend_disagreement(seen: Sequence[Sequence[str]]) -> str | None:
     """The one-line error for members' ``(host, gpus, device, backend)``, or None if they agree."""
     if len({backend for *_, backend in seen}) <= 1:

@@ -4,7 +4,7 @@
 ``add_extra_args`` adds the flags of what is layered on it (--stage_layers, --dp_size,
 --loss_log, --trace, checkpoints). ``check_args`` refuses, in one line and before any
 process starts, what the ranks would fail on later. What the flags decide in a rank is
-here too: where it runs (``placement`` before launch, ``rank_placement`` in the rank), the
+here too: where it runs (``placement``, checked before launch and used by the rank), the
 model's sizes, and what a checkpoint records of the run (``data_settings_from``,
 ``layout_from``).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 import torch
 
@@ -129,24 +128,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
     """Every rank a GPU of its own and NCCL, or every rank of the machine on the CPU with
-    gloo (what ``main.init_distributed`` picks in the worker)."""
+    gloo: never the tutorial's ``cuda:<rank>`` by fiat, never two ranks on one GPU. Checked
+    for every rank before launch; ``run_worker`` hands it to ``main.init_distributed``."""
     return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
-
-
-def rank_placement(device_preference: str, rank: int, world_size: int) -> distkit.Placement:
-    """This rank's device and backend, as ``placement`` decided before launch; the same
-    backend on every machine, or a one-line error (``main.init_distributed`` calls it).
-
-    Never the tutorial's ``cuda:<rank>`` by fiat, never two ranks on one GPU: a GPU per
-    process on this machine (``LOCAL_RANK``'s), or the CPU for all of them.
-    """
-    local_rank = int(os.environ["LOCAL_RANK"])
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    where = distkit.group_placement(device_preference, local_rank, local_world_size)
-    distkit.agree_on_backend("pp", rank, world_size, where)
-    if where.device.type == "cuda":
-        torch.cuda.set_device(where.device)
-    return where
 
 
 def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

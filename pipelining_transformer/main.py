@@ -44,9 +44,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoin
 import distkit
 from distkit.schedules import SCHEDULES
 from pipelining_transformer import callbacks, dp, extras, schedules
-from pipelining_transformer.cli import (add_extra_args, check_args, model_args_from, rank_placement,
-                                        schedule_name)
-from pipelining_transformer.cli import placement  # noqa: F401  (where each rank runs: distkit's contract)
+from pipelining_transformer.cli import add_extra_args, check_args, model_args_from, placement, schedule_name
 from pipelining_transformer.layout import StageLayout, stage_layout
 from pipelining_transformer.model import (ModelArgs, Transformer, make_optimizer, synthetic_batch,
                                           tokenwise_loss_fn)
@@ -85,11 +83,12 @@ class DistEnv:
         return self.mesh["dp"].get_group() if self.mesh is not None else None
 
 
-def init_distributed(device_preference: str = "auto", dp_size: int = 1) -> DistEnv:
-    """Join the process group torchrun (or distkit) describes; ``pp_group`` for send/recv."""
+def init_distributed(where: distkit.Placement, dp_size: int = 1) -> DistEnv:
+    """Join the process group torchrun (or distkit) describes, on ``where`` (``placement``'s
+    choice: a GPU per process, or the CPU); ``pp_group`` for send/recv."""
     rank = int(os.environ["RANK"])  # the tutorial used LOCAL_RANK: wrong beyond one machine
     world_size = int(os.environ["WORLD_SIZE"])
-    where = rank_placement(device_preference, rank, world_size)  # a GPU per process, or the CPU
+    distkit.take_placement("pp", rank, world_size, where)  # one backend on every machine
     # under torchrun, a store of this restart's own: a restarted group would otherwise meet
     # the addresses its killed predecessor left in torchrun's store (see distkit)
     dist.init_process_group(backend=where.backend, store=distkit.process_group_store(),
@@ -234,7 +233,7 @@ def train(args: argparse.Namespace, env: DistEnv, callbacks_for=callbacks.callba
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     """Every rank: join the group, train its stages, leave."""
-    env = init_distributed(args.device, args.dp_size)
+    env = init_distributed(placement(worker, args), args.dp_size)
     result = train(args, env)
     dist.destroy_process_group()
     return result

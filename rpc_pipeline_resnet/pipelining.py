@@ -101,15 +101,12 @@ def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Place
     return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
 
 
-def init_distributed(device_preference: str = "auto") -> tuple[int, torch.device]:
-    """Join the process group torchrun (or distkit) describes; this rank and its device."""
+def init_distributed(where: distkit.Placement) -> tuple[int, torch.device]:
+    """Join the process group torchrun (or distkit) describes, on ``where`` (``placement``'s
+    choice, checked before launch); this rank and its device."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    where = distkit.group_placement(device_preference, int(os.environ["LOCAL_RANK"]),
-                                    int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    distkit.agree_on_backend("pp", rank, world_size, where)
-    if where.device.type == "cuda":
-        torch.cuda.set_device(where.device)
+    distkit.take_placement("pp", rank, world_size, where)  # one backend on every machine
     dist.init_process_group(backend=where.backend, store=distkit.process_group_store(),
                             rank=rank, world_size=world_size)
     return rank, where.device
@@ -241,7 +238,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
     """
     if not args.default_malloc:
         steady_malloc()  # as main.py's processes: see measure.py
-    rank, device = init_distributed(args.device)
+    rank, device = init_distributed(placement(worker, args))
     runs = []
     for num_split in args.splits:
         meter = StageMeter(args, trace=args.trace is not None)  # clocks, CPU time, spans

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import re
 import signal
@@ -225,6 +226,44 @@ def assert_all_gone(pids: list[int], within: float) -> None:
     while time.time() < deadline and any(map(alive, pids)):
         time.sleep(0.1)
     assert not [p for p in pids if alive(p)], "processes left behind"
+
+
+# A pipelining_transformer run's --loss_log, and torchrun's restarted workers.
+def logged_losses(path: Path) -> list[tuple[int, float]]:
+    """The (step, loss) lines that --loss_log wrote to ``path``, in order."""
+    return [(e["step"], e["loss"]) for e in map(json.loads, path.read_text().splitlines())]
+
+
+def workers_by_rank(launcher: int) -> dict[int, int]:
+    """The current workers of the torchrun with pid ``launcher`` (or below it),
+    {rank: pid}, read from each one's environment."""
+    found = {}
+    for pid in children(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [int(e.removeprefix(b"RANK=")) for e in env if e.startswith(b"RANK=")]
+        if ranks:
+            found[ranks[0]] = pid
+    return found
+
+
+def resumed_steps(output: str) -> list[int]:
+    """The step each restarted worker said it resumed after, one per rank that said so."""
+    return [int(m.group(1)) for m in re.finditer(r"resumed from \S+/step_(\d+) after step \1\n", output)]
+
+
+def assert_equals_uninterrupted(log: Path, uninterrupted: dict[int, float], resumed_at: int) -> None:
+    """Every logged loss, the killed attempt's and the restart's, is the uninterrupted run's."""
+    entries = logged_losses(log)
+    steps = [s for s, _ in entries]
+    restart = max(i for i, s in enumerate(steps) if s == resumed_at + 1)
+    assert steps[restart:] == list(range(resumed_at + 1, max(uninterrupted) + 1)), steps
+    assert steps[:restart] == list(range(1, restart + 1)), steps  # whole lines, in order
+    # bit for bit: the same ranks run the same operations on the same numbers
+    assert {s: loss for s, loss in entries} == uninterrupted
+    assert all(loss == uninterrupted[s] for s, loss in entries), entries
 
 
 # assert_close's own tolerances for float32, for Python floats that hold float32 results (a

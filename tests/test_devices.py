@@ -153,7 +153,8 @@ def _stage_seeing_its_own_gpus(worker: distkit.Worker, args: argparse.Namespace)
     n = 2 if worker.rank == 0 else 0
     torch.cuda.is_available = lambda: n > 0
     torch.cuda.device_count = lambda: n
-    init_distributed(args.device)  # must stop before init_process_group tries NCCL
+    # the placement every rank computes, as run_worker does: stop before NCCL is tried
+    init_distributed(pipelining_transformer.placement(worker, args))
     raise AssertionError("init_distributed went on with different backends")
 
 

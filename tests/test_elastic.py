@@ -8,7 +8,6 @@ are used up ends the job with torchrun's report; a SIGKILLed torchrun takes its 
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Job, REPO, assert_all_gone, children, run_cli
+from conftest import (Job, REPO, assert_all_gone, assert_equals_uninterrupted, logged_losses,
+                      resumed_steps, run_cli, workers_by_rank)
 from pipelining_transformer import checkpoint
 
 # the default --dropout 0.1: masks are drawn every step, so only a restored random state
@@ -37,10 +37,6 @@ def torchrun_job(tmp_path: Path, script: str = "pipelining_transformer/main.py",
                 "--loss_log", str(tmp_path / "losses.jsonl")))
 
 
-def logged(path: Path) -> list[tuple[int, float]]:
-    return [(e["step"], e["loss"]) for e in map(json.loads, path.read_text().splitlines())]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[int, float]:
     """Step -> loss of one uninterrupted run (spawned, 2 ranks: the layout torchrun's has)."""
@@ -48,24 +44,9 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
     proc = run_cli("pipelining_transformer/main.py", "--world_size", "2", *TINY,
                    "--steps", str(STEPS), "--loss_log", str(log), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    losses = dict(logged(log))
+    losses = dict(logged_losses(log))
     assert list(losses) == list(range(1, STEPS + 1))
     return losses
-
-
-def workers_by_rank(launcher: int) -> dict[int, int]:
-    """The current workers of the torchrun with pid ``launcher`` (or below it),
-    {rank: pid}, read from each one's environment."""
-    found = {}
-    for pid in children(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ranks = [int(e.removeprefix(b"RANK=")) for e in env if e.startswith(b"RANK=")]
-        if ranks:
-            found[ranks[0]] = pid
-    return found
 
 
 def wait_until(condition, job: Job, what: str, timeout: float = 180) -> None:
@@ -84,23 +65,6 @@ def finish(job: Job, timeout: float) -> int:
         return job.finish(timeout)
     except subprocess.TimeoutExpired:
         pytest.fail(f"torchrun still running after {timeout} s:\n{job.text()}")
-
-
-def resumed_steps(output: str) -> list[int]:
-    """The step each restarted worker said it resumed after, one per rank that said so."""
-    return [int(m.group(1)) for m in re.finditer(r"resumed from \S+/step_(\d+) after step \1\n", output)]
-
-
-def assert_equals_uninterrupted(log: Path, uninterrupted: dict[int, float], resumed_at: int) -> None:
-    """Every logged loss, the killed attempt's and the restart's, is the uninterrupted run's."""
-    entries = logged(log)
-    steps = [s for s, _ in entries]
-    restart = max(i for i, s in enumerate(steps) if s == resumed_at + 1)
-    assert steps[restart:] == list(range(resumed_at + 1, max(uninterrupted) + 1)), steps
-    assert steps[:restart] == list(range(1, restart + 1)), steps  # whole lines, in order
-    # bit for bit: the same ranks run the same operations on the same numbers
-    assert {s: loss for s, loss in entries} == uninterrupted
-    assert all(loss == uninterrupted[s] for s, loss in entries), entries
 
 
 @pytest.mark.timeout(300)

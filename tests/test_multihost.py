@@ -40,7 +40,8 @@ import pytest
 import torch
 
 import distkit
-from conftest import FLOAT32, PRINTED_4, REPO, run_cli
+from conftest import (FLOAT32, PRINTED_4, REPO, assert_equals_uninterrupted, children, cmdline,
+                      logged_losses, resumed_steps, run_cli, workers_by_rank)
 from pipelining_transformer import checkpoint
 
 SUBNET = "10.231.0"
@@ -409,7 +410,6 @@ def _kill_rank_0_once(marker: Path, killed: dict[str, int]) -> Callable[[list[in
     """A ``watch`` for run_on_hosts: once ``marker`` exists, SIGKILL rank 0's worker, on
     whichever host the rendezvous put it (the rank that writes the markers and hosts the
     store), and note that host and the pid torchrun will report."""
-    from test_elastic import workers_by_rank
 
     def watch(launchers: list[int]) -> None:
         if killed or not marker.exists():
@@ -425,13 +425,11 @@ def _kill_rank_0_once(marker: Path, killed: dict[str, int]) -> Callable[[list[in
 
 
 def test_pipelining_transformer_sigkilled_worker_restarts_the_job_on_both_hosts(hosts, tmp_path):
-    from test_elastic import assert_equals_uninterrupted, logged, resumed_steps
-
     reference = tmp_path / "uninterrupted.jsonl"
     proc = run_cli("pipelining_transformer/main.py", *ELASTIC, "--world_size", "2",
                    "--loss_log", str(reference), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    uninterrupted = dict(logged(reference))
+    uninterrupted = dict(logged_losses(reference))
 
     ckpt, log = tmp_path / "ckpt", tmp_path / "losses.jsonl"
     jobs = _elastic_jobs(hosts, ELASTIC_PORT, 1, "--checkpoint_dir", str(ckpt),
@@ -540,12 +538,10 @@ def _lose_host(host: Host) -> None:
 
 
 def _rank_1_worker(job: HangJob, launcher: int) -> int:
-    from test_elastic import workers_by_rank
-    from test_faults import _children, _cmdline
 
     if job.launcher == "torchrun":
         return workers_by_rank(launcher)[1]
-    (worker,) = [p for p in _children(launcher) if b"spawn_main" in _cmdline(p)]  # --ranks 1
+    (worker,) = [p for p in children(launcher) if b"spawn_main" in cmdline(p)]  # --ranks 1
     return worker
 
 

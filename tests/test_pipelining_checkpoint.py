@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 import distkit
-from conftest import REPO, checked_args, refused_before_launch, run_cli
+from conftest import REPO, checked_args, logged_losses, refused_before_launch, run_cli
 from pipelining_transformer import checkpoint
 from pipelining_transformer.cli import data_settings_from
-from pipelining_transformer.main import build_rank, init_distributed, main, model_args_from
+from pipelining_transformer.main import build_rank, init_distributed, main, model_args_from, placement
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 
 # dropout 0 for the comparisons across splits: another layout draws other dropout masks
@@ -32,11 +32,6 @@ SAVED_AT = 2  # the cross-split test saves after this many steps
 
 def make_args(*argv: str) -> argparse.Namespace:
     return checked_args("pipelining_transformer.main", *argv)
-
-
-def logged_losses(path) -> list[tuple[int, float]]:
-    """The (step, loss) lines that --loss_log wrote to ``path``, in order."""
-    return [(e["step"], e["loss"]) for e in map(json.loads, path.read_text().splitlines())]
 
 
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
@@ -108,7 +103,7 @@ def _train_save_continue(worker: distkit.Worker, args: argparse.Namespace) -> li
 
     With args.load: build the stages from other weights, load the checkpoint instead.
     """
-    env = init_distributed(args.device)
+    env = init_distributed(placement(worker, args))
     # the loading run starts from different weights: only the checkpoint can make them agree
     pp = build_rank(argparse.Namespace(**{**vars(args), "seed": args.seed + args.load}), env)
     parts = [(s.submod, opt) for s, opt in zip(pp.stages, pp.optimizers)]

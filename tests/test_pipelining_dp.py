@@ -22,7 +22,7 @@ from conftest import PRINTED_4, checked_args, refused_before_launch, run_cli
 from pipelining_recorded import train_recorded
 from distkit.schedules import SCHEDULES
 from pipelining_transformer import checkpoint
-from pipelining_transformer.main import init_distributed, main, model_args_from
+from pipelining_transformer.main import init_distributed, main, model_args_from, placement
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 
 # dropout 0 and SGD, as in test_pipelining_transformer.py (same reasons); 16 rows: 2 replicas
@@ -51,7 +51,7 @@ def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _dp_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     """One step of the example's own loop (``main.train``) per (schedule, split) in args.runs."""
-    env = init_distributed(args.device, args.dp_size)
+    env = init_distributed(placement(worker, args), args.dp_size)
     out = {"dp_rank": env.dp_rank, "pp_rank": env.pp_rank}
     for schedule, split in args.runs:
         run_args = argparse.Namespace(**{**vars(args), "schedule": schedule, "split": split})

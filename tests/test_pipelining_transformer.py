@@ -20,7 +20,7 @@ import distkit
 from conftest import PRINTED_4, checked_args, refused_before_launch, run_cli, run_torchrun
 from pipelining_recorded import train_recorded
 from distkit.schedules import SCHEDULES, stage_indices_for
-from pipelining_transformer.main import init_distributed, main, model_args_from
+from pipelining_transformer.main import init_distributed, main, model_args_from, placement
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 from pipelining_transformer.balance import HalfLayer, choose_split
 from pipelining_transformer.layout import StageLayout, stage_layout
@@ -153,7 +153,7 @@ def test_stage_placement_follows_each_schedule():
 
 def _equivalence_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     """One step of every (schedule, split) in args.runs, from the same initial weights."""
-    env = init_distributed(args.device)
+    env = init_distributed(placement(worker, args))
     out = {}
     for run in args.runs:  # (schedule, split) or (schedule, split, stage_layers)
         schedule, split, *layers = run

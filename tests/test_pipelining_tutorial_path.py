@@ -40,7 +40,7 @@ ACCOUNTED: dict[str, tuple[str, str]] = {
     # init_distributed
     "rank = int(os.environ['RANK'])": (TUTORIAL, 'rank = int(os.environ["LOCAL_RANK"])'),
     "world_size = int(os.environ['WORLD_SIZE'])": (TUTORIAL, 'world_size = int(os.environ["WORLD_SIZE"])'),
-    "where = rank_placement(device_preference, rank, world_size)":
+    "distkit.take_placement('pp', rank, world_size, where)":
         (TUTORIAL, 'device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")'),
     "dist.init_process_group(backend=where.backend, store=distkit.process_group_store(), rank=rank, "
     "world_size=world_size)": (TUTORIAL, "dist.init_process_group()"),
@@ -117,7 +117,7 @@ ACCOUNTED: dict[str, tuple[str, str]] = {
     "if pp.reports:": (TUTORIAL, "elif rank == 1:"),
     "log.info(f'step {step + 1}/{args.steps}  loss {loss:.4f}')": (TUTORIAL, 'print(f"losses: {losses}")'),
     # run_worker
-    "env = init_distributed(args.device, args.dp_size)": (TUTORIAL, "init_distributed()"),
+    "env = init_distributed(placement(worker, args), args.dp_size)": (TUTORIAL, "init_distributed()"),
     "result = train(args, env)": (DIFFERENCE, "the tutorial's step `--steps` times (`train`)"),
     "dist.destroy_process_group()": (TUTORIAL, "dist.destroy_process_group()"),
     "return result": (DIFFERENCE, "the tutorial's step `--steps` times (`train`)"),
