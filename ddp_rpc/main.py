@@ -29,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 from torch.distributed.nn import RemoteModule
 from torch.distributed.rpc import TensorPipeRpcBackendOptions
 
@@ -171,8 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    results = distkit.launch(run_worker, args)
-    summary = results.get(num_trainers(args.world_size))
+    # the tutorial's mp.spawn; distkit.Job adds a free port on loopback (--ranks: several
+    # machines), the hang watchdog, the first failure's report and each rank's result
+    with distkit.Job(args) as job:
+        if job.torchrun:
+            job.run(run_worker, args)
+        else:
+            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+    summary = job.results.get(num_trainers(args.world_size))
     if summary is None:  # this machine or process did not run the master
         return 0
     in_sync = print_summary(summary)  # the losses, and whether DDP kept fc identical

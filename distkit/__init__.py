@@ -5,7 +5,7 @@ Modules, each importing only those listed before it:
   device      device and backend per rank; backends agreed across machines
   watchdog    --hang_timeout: a job that stops making progress ends, with every rank's stack
   worker      what runs inside every rank: logging, threads, cleanup, exit
-  launch      spawn the ranks here (or run this torchrun rank) and report a failed one
+  launch      Job: what the examples' mp.spawn needs beside it (the store, results, reports)
   args        the shared flags and their one-line refusals before launch
   timeline    spans and Chrome traces for the two pipeline examples
   stagetrace  the spans of torch.distributed.pipelining's stages, for --trace (imported on its own)
@@ -35,12 +35,12 @@ from .device import (
     take_placement,
     threads_per_process,
 )
-from .launch import launch, local_workers, parse_ranks
+from .launch import Job, launch, local_workers, parse_ranks
 from .rendezvous import job_store, process_group_store, under_torchrun
 from .worker import Worker, cleanup, exit_process, silence_torchscript_optimizer_warning
 
 __all__ = [
-    "ArgumentParser", "DeviceError", "Placement", "Worker", "add_launch_args", "agree_on_backend",
+    "ArgumentParser", "DeviceError", "Job", "Placement", "Worker", "add_launch_args", "agree_on_backend",
     "backend_for", "check_finite", "check_launch_args", "check_path", "check_placements", "cleanup",
     "exit_process", "gpu_count", "group_placement", "job_store", "launch", "local_workers",
     "parse_ranks", "pick_device", "process_group_store", "require_positive",

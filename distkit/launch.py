@@ -1,41 +1,60 @@
-"""Run one function on every rank: spawned locally, or one rank per process under torchrun.
+"""Start the ranks: PyTorch's ``mp.spawn`` on this machine, or this one rank under torchrun.
 
-``python X/main.py --world_size N`` spawns N processes here. The launching process hosts
-the job's rendezvous store itself (on 127.0.0.1 and an OS-chosen port unless told
-otherwise) and tells the workers to use it exactly as torchrun's agent does
-(``TORCHELASTIC_USE_AGENT_STORE``), so ``init_rpc``/``init_process_group`` with
-``env://`` behave the same under both launchers, every RPC group and process group of the
-job shares one port under its own key prefix, and nothing collides with another job.
+Every example's ``main()`` writes the tutorial's launch itself::
 
-Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) the
-function simply runs for this process's rank.
+    with distkit.Job(args) as job:
+        mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+
+``torch.multiprocessing.spawn`` starts the processes, waits for them and ends the others
+when one fails. ``Job`` adds what it does not give, each piece for the reason beside it:
+- the rendezvous store, hosted here on 127.0.0.1 and an OS-chosen port: c10d's own server
+  listens on every interface and needs its port chosen in advance. The ranks use it as
+  torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE``), so ``init_rpc``/``init_process_group``
+  with ``env://`` behave the same under both launchers, and every group of a job shares one
+  port under its own key prefix;
+- torchrun's file timer server: it kills a rank frozen whole (SIGSTOP), which no peer can end;
+- each rank's result, in a file: ``mp.spawn`` returns nothing;
+- the report of the failure that came first: ``mp.spawn`` reports the first exit it sees, and a
+  rank that raises can exit after the peer whose connection it closed; a device the job cannot
+  run with is one line and exit 2, as for a bad flag;
+- Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running.
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) ``job.torchrun``
+is true and ``job.run`` runs this process's rank.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Container
-from functools import partial
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from multiprocessing import connection as mp_connection
-
+from torch.multiprocessing.spawn import ProcessException
 from torch.distributed.elastic.timer import FileTimerServer
 
 from .rendezvous import STORE_TIMEOUT, host_store, under_torchrun
 from .watchdog import TIMER_FILE, TIMER_MARGIN
 from .worker import Worker, die_with_parent, exit_now, run_rank
 
-log = logging.getLogger("distkit")
+# mp.spawn logs a warning for each rank it stops after a failure: the report says the job stopped
+logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+
+# A rank that raises waits this long before it exits: a peer killed by a signal (one it may
+# have broken) takes a while to become reapable when it has many threads (RPC's pools), and
+# mp.spawn blames the first exit it sees (seen in CI: ddp_rpc's SIGKILLed parameter server
+# reported as the master's RPC error). test_a_rank_killed_as_its_peer_fails_is_the_root_cause
+PEER_GRACE = 1.0
 
 
 def parse_ranks(spec: str | None, world_size: int) -> list[int]:
@@ -72,133 +91,154 @@ def _torchrun_worker(args: argparse.Namespace) -> Worker:
                   env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0)), args.device)
 
 
-def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Namespace) -> dict[int, Any]:
-    """Run ``fn(worker, args)`` on every rank; return ``{rank: what fn returned}``.
+@dataclass(frozen=True)
+class Rank:
+    """``run_worker`` as ``mp.spawn`` calls it, ``fn(i, *args)``: the i-th rank of ``--ranks``,
+    in the environment torchrun would have given it (``Job.wrap`` makes it)."""
 
-    ``fn`` must be a module-level function (it is pickled to spawned processes). If any rank
-    raises or dies, the others are stopped and this process exits with status 1 after
-    printing the failed rank's traceback once.
-    """
-    if under_torchrun():
-        # torchrun starts each worker in a session of its own, so a SIGKILLed torchrun (no
-        # cleanup runs) would leave its workers training on: they die with it, as spawned ones do
-        die_with_parent()
-        worker = _torchrun_worker(args)
-        return {worker.rank: run_rank(fn, worker, args)}  # torchrun reports a failure itself
-    return _spawn(fn, args)
+    fn: Callable[[Worker, argparse.Namespace], Any]
+    ranks: tuple[int, ...]
+    addr: str
+    port: int
+    job_dir: str
 
-
-def _spawn(fn: Callable, args: argparse.Namespace) -> dict[int, Any]:
-    ranks = parse_ranks(args.ranks, args.world_size)
-    addr = args.master_addr or "127.0.0.1"
-    store = None
-    if 0 in ranks:
-        # This process hosts the store, bound to ``addr`` only: a single-machine run is
-        # reachable from loopback alone (c10d's own TCPStore server listens on every interface).
+    def __call__(self, index: int, args: argparse.Namespace) -> None:
+        # mp.spawn asks for SIGINT when the launcher dies, which Python handles only between
+        # bytecodes: a rank blocked in a collective would outlive a SIGKILLed launcher
+        die_with_parent(multiprocessing.parent_process().pid)
+        rank = self.ranks[index]
+        os.environ.update(MASTER_ADDR=self.addr, MASTER_PORT=str(self.port), RANK=str(rank),
+                          WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(index),
+                          LOCAL_WORLD_SIZE=str(len(self.ranks)), TORCHELASTIC_USE_AGENT_STORE="True",
+                          **{TIMER_FILE: os.path.join(self.job_dir, "timer")})
+        worker = Worker(rank, args.world_size, index, len(self.ranks), self.addr, self.port, args.device)
         try:
-            store = host_store(addr, args.master_port or 0, STORE_TIMEOUT)
-        except OSError as e:  # an address not on this machine, a port in use: bad input
-            _die(f"cannot listen on {addr}:{args.master_port or 0} for the rendezvous: "
-                 f"{e.strerror or e}", status=2)
-        port = store.port
-    else:
-        port = args.master_port
-    result_dir = Path(tempfile.mkdtemp(prefix="distkit-"))
-    # torchrun's worker timer (TORCHELASTIC_ENABLE_FILE_TIMER=1), here always on: each rank's
-    # watchdog keeps a timer going, so a rank frozen whole (SIGSTOP) is ended on its own
-    # machine, also when the rank that reports the hang runs on another one
-    timed_out: set[int] = set()  # pids this launch's timer killed (one set per launch: pids get reused)
-    timer = FileTimerServer(str(result_dir / "timer"), run_id="distkit", max_interval=0.1,
-                            log_event=partial(_timer_event, timed_out))
-    timer.start()
-    spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=_spawned, args=(i, fn, args, ranks, addr, port, str(result_dir)),
-                           name=f"rank{rank}") for i, rank in enumerate(ranks)]
-    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        for p in procs:
-            p.start()
-        _wait(procs, ranks, result_dir, timed_out)
-        return {int(p.stem): torch.load(p, weights_only=False) for p in sorted(result_dir.glob("*.pt"))}
-    except KeyboardInterrupt:
-        _die("interrupted; all workers stopped", status=130)
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-        _stop(procs)
-        timer.stop()
-        del store
-        shutil.rmtree(result_dir, ignore_errors=True)
-    raise AssertionError("unreachable")
+            result = run_rank(self.fn, worker, args,
+                              failure_file=os.path.join(self.job_dir, f"{rank}.failed"))
+        except BaseException:
+            time.sleep(PEER_GRACE)
+            exit_now(1)  # the launcher prints the traceback, once
+        if result is not None:
+            torch.save(result, os.path.join(self.job_dir, f"{rank}.pt"))
+        exit_now(0)
 
 
-def _wait(procs: list, ranks: list[int], result_dir: Path, timed_out: set[int]) -> None:
-    """Return once every worker has exited 0; at the first failure stop them all and exit 1."""
-    while True:
-        failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        if failed:
-            failed = _settle(procs, failed)
-            _stop(procs)
-            refusals = sorted(result_dir.glob("*.refused"))
-            if refusals:  # a device the job cannot run with: its one line, as for bad flags
-                _die(refusals[0].read_text(), status=2)
-            _die(_root_cause(failed, procs, ranks, result_dir, timed_out))
-        if all(p.exitcode == 0 for p in procs):
-            return
-        mp_connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=1)
+class Job:
+    """One launch: ``with Job(args) as job: mp.spawn(job.wrap(run_worker), ...)``.
 
-
-def _timer_event(timed_out: set[int], name: str, request: Any) -> None:
-    if name == "timer expired" and request is not None:
-        timed_out.add(request.worker_pid)
-
-
-KILLED_GRACE = 1.0  # seconds a failure waits for a rank killed by a signal to be reaped
-
-
-def _settle(procs: list, failed: list[int]) -> list[int]:
-    """The failed ranks once a rank killed by a signal, if there is one, has been reaped.
-
-    A killed process with many threads (RPC's pools) takes a while to become a zombie, and
-    meanwhile a peer it broke can raise and exit first: seen on a loaded machine, the SIGKILLed
-    parameter server of ddp_rpc reported as the master's RPC error. A failure that is a signal
-    is reported at once; any other waits up to ``KILLED_GRACE`` for one before it is blamed.
+    Afterwards ``job.results`` is ``{rank: what run_worker returned}`` for the ranks run here
+    (None is left out). If a rank raises or dies, the job exits with status 1 after printing
+    the failed rank's report once.
     """
-    deadline = time.monotonic() + KILLED_GRACE
-    while not any(procs[i].exitcode < 0 for i in failed) and (left := deadline - time.monotonic()) > 0:
-        running = [p.sentinel for p in procs if p.exitcode is None]
-        if not running:
-            break
-        ready = mp_connection.wait(running, timeout=left)
-        if ready and all(p.exitcode is None for p in procs if p.sentinel in ready):
-            time.sleep(0.01)  # a pipe closes a moment before its process is reapable: no spinning
-        failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-    return failed
 
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.torchrun = under_torchrun()
+        self.ranks = [] if self.torchrun else parse_ranks(args.ranks, args.world_size)
+        self.nprocs = len(self.ranks)
+        self.addr = args.master_addr or "127.0.0.1"
+        self.port = args.master_port or 0
+        self.results: dict[int, Any] = {}
+        self.timed_out: set[int] = set()  # pids this job's timer killed (pids get reused)
 
-def _root_cause(failed: list[int], procs: list, ranks: list[int], result_dir: Path,
-                timed_out: Container[int] = frozenset()) -> str:
-    """The failure that came first; the others are mostly its echoes (a peer's socket closing).
+    def __enter__(self) -> Job:
+        if self.torchrun:
+            # torchrun starts each worker in a session of its own, so a SIGKILLed torchrun (no
+            # cleanup runs) would leave its workers training on: they die with it, as spawned ones do
+            die_with_parent()
+            return self
+        self.store = None
+        if 0 in self.ranks:
+            try:
+                self.store = host_store(self.addr, self.port, STORE_TIMEOUT)
+            except OSError as e:  # an address not on this machine, a port in use: bad input
+                _die(f"cannot listen on {self.addr}:{self.port} for the rendezvous: "
+                     f"{e.strerror or e}", status=2)
+            self.port = self.store.port
+        self.dir = Path(tempfile.mkdtemp(prefix="distkit-"))
+        self.timer = FileTimerServer(str(self.dir / "timer"), run_id="distkit", max_interval=0.1,
+                                     log_event=self._timer_event)
+        self.timer.start()
+        self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        return self
 
-    Exit order says little: a rank that raises can take longer to exit than the peer whose
-    connection it closed on the way out. So workers record when they raised, and a rank
-    killed by a signal (it could record nothing) counts as first.
-    """
-    for i in failed:
-        if procs[i].exitcode < 0 and procs[i].pid in timed_out:
-            return (f"rank {ranks[i]} was frozen (no heartbeat for --hang_timeout + "
+    def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> Rank:
+        """``fn(worker, args)`` as ``mp.spawn``'s ``fn(i, args)``; fn must be module-level."""
+        return Rank(fn, tuple(self.ranks), self.addr, self.port, str(self.dir))
+
+    def run(self, fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Namespace) -> None:
+        """Under torchrun: run this process's rank (torchrun reports a failure itself)."""
+        worker = _torchrun_worker(args)
+        result = run_rank(fn, worker, args)
+        if result is not None:
+            self.results[worker.rank] = result
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if self.torchrun:
+            return False
+        try:
+            if exc is None:
+                self.results = {int(p.stem): torch.load(p, weights_only=False)
+                                for p in sorted(self.dir.glob("*.pt"))}
+            elif isinstance(exc, KeyboardInterrupt):
+                _die("interrupted; all workers stopped", status=130)
+            elif isinstance(exc, ProcessException):
+                refusals = sorted(self.dir.glob("*.refused"))
+                if refusals:  # a device the job cannot run with: its one line, as for bad flags
+                    _die(refusals[0].read_text(), status=2)
+                _die(self._root_cause(exc))
+        finally:
+            signal.signal(signal.SIGTERM, self._old_term)
+            _stop(multiprocessing.active_children())  # after an interrupt they still run
+            self.timer.stop()
+            self.store = None
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return False
+
+    def _timer_event(self, name: str, request: Any) -> None:
+        if name == "timer expired" and request is not None:
+            self.timed_out.add(request.worker_pid)
+
+    def _root_cause(self, exc: ProcessException) -> str:
+        """The failure that came first; the others are mostly its echoes (a peer's socket closing).
+
+        Exit order says little: a rank that raises can take longer to exit than the peer whose
+        connection it closed on the way out. So ranks record when they raised, and a rank
+        killed by a signal (it could record nothing) counts as first, unless the hang watchdog
+        reported a hang: its report names the stopped ranks, which it ends here itself.
+        """
+        hangs = sorted(_records(self.dir, "hang"))
+        if hangs:
+            return f"rank {hangs[0][1]} failed:\n{hangs[0][2]}"
+        rank = self.ranks[exc.error_index]
+        code = getattr(exc, "exit_code", 1)
+        if code < 0 and exc.error_pid in self.timed_out:
+            return (f"rank {rank} was frozen (no heartbeat for --hang_timeout + "
                     f"{TIMER_MARGIN:g} s) and was killed by its watchdog's timer; the job is stopped")
-        if procs[i].exitcode < 0:
-            name = signal.Signals(-procs[i].exitcode).name
-            return f"rank {ranks[i]} died (signal {name}); the job is stopped"
+        if code < 0:
+            return f"rank {rank} died (signal {signal.Signals(-code).name}); the job is stopped"
+        records = sorted(_records(self.dir, "failed"))
+        if records:
+            return f"rank {records[0][1]} failed:\n{records[0][2]}"
+        return f"rank {rank} died (exit status {code}); the job is stopped"
+
+
+def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Namespace) -> dict[int, Any]:
+    """What every example's ``main()`` writes, for tests and benchmarks: ``{rank: fn(worker, args)}``."""
+    with Job(args) as job:
+        if job.torchrun:
+            job.run(fn, args)
+        else:
+            mp.spawn(job.wrap(fn), args=(args,), nprocs=job.nprocs, join=True)
+    return job.results
+
+
+def _records(job_dir: Path, kind: str) -> list[tuple[float, int, str]]:
+    """(when, rank, text) of each ``<rank>.<kind>`` record the ranks wrote."""
     records = []
-    for path in result_dir.glob("*.failed"):
-        when, _, trace = path.read_text().partition("\n")
-        records.append((float(when), int(path.stem), trace))
-    if records:
-        _, rank, trace = min(records)
-        return f"rank {rank} failed:\n{trace}"
-    i = failed[0]
-    return f"rank {ranks[i]} died (exit status {procs[i].exitcode}); the job is stopped"
+    for path in job_dir.glob(f"*.{kind}"):
+        when, _, text = path.read_text().partition("\n")
+        records.append((float(when), int(path.stem), text))
+    return records
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -220,24 +260,3 @@ def _stop(processes: list) -> None:
         if p.is_alive():
             p.kill()
             p.join(5)
-
-
-def _spawned(index: int, fn: Callable, args: argparse.Namespace, ranks: list[int],
-             addr: str, port: int, result_dir: str) -> None:
-    """Entry point of a spawned worker: the environment torchrun would have given it."""
-    die_with_parent(mp.parent_process().pid)
-    rank = ranks[index]
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(index),
-                      LOCAL_WORLD_SIZE=str(len(ranks)), TORCHELASTIC_USE_AGENT_STORE="True",
-                      **{TIMER_FILE: os.path.join(result_dir, "timer")})
-    worker = Worker(rank, args.world_size, index, len(ranks), addr, port, args.device)
-    try:
-        result = run_rank(fn, worker, args, failure_file=os.path.join(result_dir, f"{rank}.failed"))
-    except BaseException:
-        exit_now(1)  # the launcher prints the traceback, once
-    if result is not None:
-        torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
-    exit_now(0)
-
-

@@ -65,9 +65,8 @@ class Watchdog:
     """Lives in every rank: counts this rank's progress, publishes it, watches the job's."""
 
     def __init__(self, rank: int, world_size: int, timeout: float,
-                 on_hang: Callable[[str], None], end_silent: bool = False) -> None:
+                 on_hang: Callable[[str], None]) -> None:
         self.rank, self.world_size, self.timeout, self.on_hang = rank, world_size, timeout, on_hang
-        self.end_silent = end_silent  # SIGKILL a rank on this machine that does not answer
         self.interval = min(1.0, max(0.05, timeout / 10))
         self.ticks = 0  # bumped by the hooks, read by the thread: any change is progress
         self._stop = threading.Event()
@@ -226,10 +225,9 @@ class Watchdog:
         self.on_hang(message)
         self._expect(self.store_bound)
         try:
-            # under torchrun (end_silent) a stopped rank on this machine is ended here: its
-            # agent would give it 30 s to take a SIGTERM it cannot; distkit's launcher ends it
-            # itself, and would report that SIGKILL as the job's first failure
-            for rank in silent if self.end_silent else ():
+            # a stopped rank on this machine is ended here: torchrun's agent and mp.spawn would
+            # give it 30 s to take a SIGTERM it cannot (the launcher reports the hang, not this kill)
+            for rank in silent:
                 where, pid = self.store.get(self._key(f"pid/{rank}")).decode().rsplit(" ", 1)
                 if where == machine():
                     os.kill(int(pid), signal.SIGKILL)
@@ -259,9 +257,9 @@ def _exit(status: int) -> None:
     os._exit(status)
 
 
-def start(rank: int, world_size: int, timeout: float | None, on_hang: Callable[[str], None],
-          end_silent: bool = False) -> Watchdog | None:
+def start(rank: int, world_size: int, timeout: float | None,
+          on_hang: Callable[[str], None]) -> Watchdog | None:
     """A running watchdog for this rank, or None when ``timeout`` is 0 or None (off)."""
     if not timeout:
         return None
-    return Watchdog(rank, world_size, timeout, on_hang, end_silent).start()
+    return Watchdog(rank, world_size, timeout, on_hang).start()

@@ -91,8 +91,7 @@ def run_rank(fn: Callable, worker: Worker, args: argparse.Namespace, failure_fil
                         stream=sys.stdout, force=True)
     torch.set_num_threads(args.threads or threads_per_process(worker.local_world_size))
     watch = watchdog.start(worker.rank, worker.world_size, getattr(args, "hang_timeout", None),
-                           functools.partial(_report_hang, failure_file),
-                           end_silent=failure_file is None)  # None: under torchrun
+                           functools.partial(_report_hang, failure_file))
     try:
         result = fn(worker, args)
     except DeviceError as e:
@@ -117,9 +116,12 @@ def run_rank(fn: Callable, worker: Worker, args: argparse.Namespace, failure_fil
 
 
 def _report_hang(failure_file: str | None, message: str) -> None:
-    """The hang report: for the launcher to print (spawned), or printed here (torchrun)."""
+    """The hang report: for the launcher to print (spawned), or printed here (torchrun).
+
+    Spawned, it is a ``.hang`` record, not a ``.failed`` one: the job's cause, whichever
+    rank's exit the launcher sees first (the stopped ranks the claimant kills included)."""
     if failure_file:
-        Path(failure_file).write_text(f"{time.time()}\n{message}")
+        Path(failure_file).with_suffix(".hang").write_text(f"{time.time()}\n{message}")
     else:
         print(f"error: {message}", file=sys.stderr, flush=True)
 

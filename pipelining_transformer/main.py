@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
@@ -272,8 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    results = distkit.launch(run_worker, args)
-    return extras.exit_status(results)  # 1 if the loss of a run from step 0 did not fall
+    # as the tutorial runs it, torchrun starts one process per rank; without torchrun,
+    # mp.spawn starts --world_size of them here (distkit.Job: see rpc_rnn/main.py's main)
+    with distkit.Job(args) as job:
+        if job.torchrun:
+            job.run(run_worker, args)
+        else:
+            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+    return extras.exit_status(job.results)  # 1 if the loss of a run from step 0 did not fall
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
@@ -237,7 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    runs = distkit.launch(run_worker, args).get(0)
+    # the tutorial's mp.spawn; distkit.Job adds a free port on loopback (--ranks: several
+    # machines), the hang watchdog, the first failure's report and each rank's result
+    with distkit.Job(args) as job:
+        if job.torchrun:
+            job.run(run_worker, args)
+        else:
+            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+    runs = job.results.get(0)
     if runs is None:  # a torchrun rank other than 0
         return 0
     print_report(args, runs)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -254,7 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    runs = distkit.launch(run_worker, args).get(0)
+    # as the tutorial runs it, torchrun starts one process per rank; without torchrun,
+    # mp.spawn starts --world_size of them here (distkit.Job: see rpc_rnn/main.py's main)
+    with distkit.Job(args) as job:
+        if job.torchrun:
+            job.run(run_worker, args)
+        else:
+            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+    runs = job.results.get(0)
     if runs is None:  # a torchrun rank other than 0
         return 0
     print_report(args, runs, holders=("rank 0", "rank 1"))

@@ -23,6 +23,7 @@ import sys
 
 import torch
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 
 import distkit
 from rpc_rl.agent import AGENT_NAME, OBSERVER_NAME
@@ -135,8 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         for i, reward in enumerate(play(policy, args.play_episodes, args.seed), 1):
             print(f"Episode {i}\tReward: {reward:.0f}")
         return 0
-    results = distkit.launch(run_worker, args)
-    agent = results.get(0)
+    # the tutorial's mp.spawn; distkit.Job adds a free port on loopback (--ranks: several
+    # machines), the hang watchdog, the first failure's report and each rank's result
+    with distkit.Job(args) as job:
+        if job.torchrun:
+            job.run(run_worker, args)
+        else:
+            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+    agent = job.results.get(0)
     if agent is not None and not agent["solved"]:
         print(f"Not solved: running reward {agent['running_reward']:.2f} is below "
               f"{agent['threshold']} after {agent['episodes']} episodes "

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
@@ -161,8 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    results = distkit.launch(run_worker, args)
-    trainer = results.get(1)
+    # the tutorial's mp.spawn; distkit.Job adds a free port on loopback (--ranks: several
+    # machines), the hang watchdog, the first failure's report and each rank's result
+    with distkit.Job(args) as job:
+        if job.torchrun:
+            job.run(run_worker, args)
+        else:
+            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+    trainer = job.results.get(1)
     if trainer is not None:
         losses = trainer["losses"]
         print(f"loss {losses[0]:.4f} in epoch 0 -> {losses[-1]:.4f} in epoch {len(losses) - 1}")

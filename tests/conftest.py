@@ -64,7 +64,7 @@ def refused_before_launch(main, argv: list[str], capsys, monkeypatch) -> str:
     import distkit
 
     # were a check to let bad input through, the test fails here instead of training
-    monkeypatch.setattr(distkit, "launch", lambda *a: pytest.fail("launched despite bad input"))
+    monkeypatch.setattr(distkit, "Job", lambda *a: pytest.fail("launched despite bad input"))
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     err = capsys.readouterr().err

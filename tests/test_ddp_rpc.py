@@ -79,18 +79,18 @@ def _printed(pattern: str, output: str) -> list[float]:
 def test_one_iteration_matches_single_process_maths(monkeypatch, capfd):
     # the user's command (python ddp_rpc/main.py ARGS), in this process: main's own launch,
     # kept aside for the numbers underneath, and what the run printed
-    launches = []
+    jobs = []
 
-    def launch_and_keep(fn, args):
-        launches.append(real_launch(fn, args))
-        return launches[-1]
+    class KeptJob(distkit.Job):
+        def __enter__(self):
+            jobs.append(self)
+            return super().__enter__()
 
-    real_launch = distkit.launch
-    monkeypatch.setattr(distkit, "launch", launch_and_keep)
+    monkeypatch.setattr(distkit, "Job", KeptJob)
     assert main(["--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "6",
                  "--seed", "3", "--lr", "0.5"]) == 0
     printed = capfd.readouterr().out
-    out = launches[0][MASTER]
+    out = jobs[0].results[MASTER]
     config, reports = out["config"], out["trainers"]
     assert [r.rank for r in reports] == [0, 1] and config.lr == 0.5
     # DDP broadcast rank 0's fc at construction (each trainer seeded its own differently)

@@ -605,17 +605,18 @@ def test_a_hang_across_hosts_ends_the_job(hosts, tmp_path):
 
 def _run_and_keep_results(argv: list[str]) -> int:
     """``python tests/test_multihost.py OUT.pt X/main.py FLAGS``: run ``X/main.py FLAGS``
-    exactly as ``python X/main.py FLAGS`` does, and also save what ``distkit.launch``
-    returned on this machine (``{rank: result}`` for the ranks it ran) to OUT.pt."""
+    exactly as ``python X/main.py FLAGS`` does, and also save what its ``distkit.Job``
+    collected on this machine (``{rank: result}`` for the ranks it ran) to OUT.pt."""
     out, script, *flags = argv
-    launch = distkit.launch
 
-    def launch_and_keep(fn, args):
-        results = launch(fn, args)
-        torch.save(results, out)
-        return results
+    class KeptJob(distkit.Job):
+        def __exit__(self, *exc):
+            try:
+                return super().__exit__(*exc)
+            finally:
+                torch.save(self.results, out)
 
-    distkit.launch = launch_and_keep  # main.py calls distkit.launch(run_worker, args)
+    distkit.Job = KeptJob  # main.py launches inside `with distkit.Job(args) as job`
     example = importlib.import_module(script.removesuffix(".py").replace("/", "."))
     return example.main(flags)
 

@@ -95,7 +95,7 @@ def test_trace_every_action_once_in_dependency_order(schedule, tmp_path):
 def test_trace_into_a_file_is_refused_before_launch(tmp_path, capsys, monkeypatch):
     import distkit
 
-    monkeypatch.setattr(distkit, "launch", lambda *a: pytest.fail("launched despite bad --trace"))
+    monkeypatch.setattr(distkit, "Job", lambda *a: pytest.fail("launched despite bad --trace"))
     file = tmp_path / "not_a_dir"
     file.write_text("")
     with pytest.raises(SystemExit) as exit_:

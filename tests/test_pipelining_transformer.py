@@ -292,7 +292,23 @@ def test_exit_status_judges_the_loss_of_a_run_from_step_0_only(first_step, statu
     # what run_worker returned on the ranks: the reporting one's loss rose
     results = {0: {"losses": None, "first_step": first_step},
                1: {"losses": [2.2372, 2.2731, 2.2869], "first_step": first_step}}
-    monkeypatch.setattr(distkit, "launch", lambda fn, args: results)
+
+    class FinishedJob:  # main's launch, as if its ranks had run (the run_worker branch)
+        torchrun = True
+
+        def __init__(self, args):
+            self.results = results
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, fn, args):
+            pass
+
+    monkeypatch.setattr(distkit, "Job", FinishedJob)
     assert main(["--world_size", "2"]) == status
     # a resumed run that is not judged says nothing; one from step 0 says why it failed
     assert capsys.readouterr().err == ("The loss did not fall: 2.2372 -> 2.2869\n" if status else "")
