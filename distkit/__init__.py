@@ -7,7 +7,8 @@ Modules, each importing only those listed before it:
   worker      what runs inside every rank: logging, threads, cleanup, exit
   launch      Job: what the examples' mp.spawn needs beside it (the store, results, reports)
   args        the shared flags and their one-line refusals before launch
-  timeline    spans and Chrome traces for the two pipeline examples
+  timeline    spans and Chrome traces for pipelining_transformer's --trace
+  profiling   --trace: torch.profiler's Chrome trace of each rank, every thread
   stagetrace  the spans of torch.distributed.pipelining's stages, for --trace (imported on its own)
   schedules   the pipelining schedules, where each puts its stages, and whether one can run a
               micro-batch count: both pipeline examples check it (imported on its own)
@@ -36,6 +37,7 @@ from .device import (
     threads_per_process,
 )
 from .launch import Job, launch, local_workers, parse_ranks
+from .profiling import profiled
 from .rendezvous import job_store, process_group_store, under_torchrun
 from .worker import Worker, cleanup, exit_process, silence_torchscript_optimizer_warning
 
@@ -43,6 +45,6 @@ __all__ = [
     "ArgumentParser", "DeviceError", "Job", "Placement", "Worker", "add_launch_args", "agree_on_backend",
     "backend_for", "check_finite", "check_launch_args", "check_path", "check_placements", "cleanup",
     "exit_process", "gpu_count", "group_placement", "job_store", "launch", "local_workers",
-    "parse_ranks", "pick_device", "process_group_store", "require_positive",
+    "parse_ranks", "pick_device", "profiled", "process_group_store", "require_positive",
     "silence_torchscript_optimizer_warning", "take_placement", "threads_per_process", "under_torchrun",
 ]

@@ -4,13 +4,18 @@
 ``forward_one_chunk`` (F), ``backward_one_chunk`` (B) and ``backward_weight_one_chunk`` (W),
 the loss the schedule computes after the last stage's forward (counted in that F), and the
 schedules' waits on their P2P work objects (``send``, ``recv``, ``wait``), and records them
-into ``recorder`` until ``record_into(None)``. ``end_step()`` after each ``schedule.step``.
-Both pipelining examples' ``--trace`` use it (pipelining_transformer/timeline.py,
-rpc_pipeline_resnet/pipelining.py).
+into ``recorder`` (and every other recorder it was given: the example's ``--stage_layers auto``
+and the benchmark record at once) until ``stop_recording(recorder)``. ``end_step()`` after
+each ``schedule.step``.
+pipelining_transformer's ``--trace`` (timeline.py) and its benchmark's compute clocks use it.
+Why not torch.profiler: Schedule1F1B (torch 2.14) records no span of its own, and no
+schedule records its waits on P2P work by stage and micro-batch.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 # Private in torch 2.14.1 (pinned: re-check on upgrade). _PipelineStageBase and the two P2P
 # helpers are where every schedule's compute and waits happen, so wrapping them observes
@@ -20,7 +25,16 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from .timeline import Recorder, Span, clock
 
-_recorder: Recorder | None = None  # the one tracing this process, if any
+# Everything _install wraps: private names of torch 2.14.1 (and 2.10). This module is the one
+# place any private torch attribute is assigned; the benchmark of pipelining_transformer
+# records through it too. test_stagetrace_wraps_only_names_this_torch_has fails on a rename.
+PATCHED = ((_PipelineStageBase, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
+                                 "get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops",
+                                 "get_bwd_send_ops")),
+           (_schedules._PipelineSchedule, ("_maybe_compute_loss",)),
+           (_schedules, ("_batch_p2p", "_wait_batch_p2p")))
+
+_recorders: list[Recorder] = []  # those tracing this process, if any
 _installed = False
 
 
@@ -36,9 +50,7 @@ def _install() -> None:
 
         @functools.wraps(fn)
         def wrapper(stage, chunk, *args, **kwargs):
-            if _recorder is None:
-                return fn(stage, chunk, *args, **kwargs)
-            with _recorder.span(kind_of(kwargs), stage.stage_index, chunk):
+            with _span(kind_of(kwargs), stage.stage_index, chunk):
                 return fn(stage, chunk, *args, **kwargs)
         setattr(cls, name, wrapper)
 
@@ -51,11 +63,11 @@ def _install() -> None:
     @functools.wraps(loss_fn)
     def loss_in_forward(self, stage, output, target_mbs, mb_index, *args, **kwargs):
         result = loss_fn(self, stage, output, target_mbs, mb_index, *args, **kwargs)
-        spans = _recorder.spans if _recorder is not None else []
-        if stage.is_last and spans and (spans[-1].kind, spans[-1].stage,
-                                        spans[-1].microbatch) == ("F", stage.stage_index, mb_index):
-            last = spans[-1]  # the loss is the last stage's forward's tail: one F span
-            _recorder.spans[-1] = Span(last.rank, "F", last.start, clock(), last.stage, mb_index)
+        for spans in (r.spans for r in _recorders):
+            if stage.is_last and spans and (spans[-1].kind, spans[-1].stage,
+                                            spans[-1].microbatch) == ("F", stage.stage_index, mb_index):
+                last = spans[-1]  # the loss is the last stage's forward's tail: one F span
+                spans[-1] = Span(last.rank, "F", last.start, clock(), last.stage, mb_index)
         return result
     _schedules._PipelineSchedule._maybe_compute_loss = loss_in_forward
 
@@ -77,7 +89,7 @@ def _install() -> None:
     @functools.wraps(batch_p2p)
     def tagged_batch_p2p(p2p_ops, *args, **kwargs):
         works = batch_p2p(p2p_ops, *args, **kwargs)
-        if _recorder is not None:
+        if _recorders:
             tags = [getattr(op, "_trace", None) for op in p2p_ops]
             for w in works:  # a work kept here until the step ends: its id stays its own
                 _works[id(w)] = (w, tags)
@@ -85,13 +97,13 @@ def _install() -> None:
 
     @functools.wraps(wait_batch_p2p)
     def timed_wait(work):
-        if _recorder is None or not work:
+        if not _recorders or not work:
             return wait_batch_p2p(work)
         tags = [t for w in work for t in _works.get(id(w), (None, [None]))[1] if t]
         recvs = [t for t in tags if t[0] == "recv"]
         kind = ("recv" if len(recvs) == len(tags) else "send" if not recvs else "wait") if tags else "wait"
         _, stage, mb = (recvs or tags or [(None, None, None)])[0]
-        with _recorder.span(kind, stage, mb):
+        with _span(kind, stage, mb):
             return wait_batch_p2p(work)
 
     _schedules._batch_p2p, _schedules._wait_batch_p2p = tagged_batch_p2p, timed_wait
@@ -100,12 +112,33 @@ def _install() -> None:
 _works: dict[int, tuple[object, list]] = {}  # id(work) -> (work, its ops' tags), this step
 
 
-def record_into(recorder: Recorder | None) -> None:
-    """Record every stage's spans in this process into ``recorder`` (None: stop)."""
-    global _recorder
+@contextlib.contextmanager
+def _span(kind: str, stage: int | None, microbatch: int | None) -> Iterator[None]:
+    """One span in every recorder (one clock reading for all), or nothing when none records."""
+    if not _recorders:
+        yield
+        return
+    start = clock()
+    try:
+        yield
+    finally:
+        end = clock()
+        for recorder in _recorders:
+            recorder.add(kind, start, end, stage, microbatch)
+
+
+def record_into(recorder: Recorder) -> None:
+    """Record every stage's spans in this process into ``recorder`` too."""
     _install()
-    _recorder = recorder
+    if recorder not in _recorders:
+        _recorders.append(recorder)
     _works.clear()
+
+
+def stop_recording(recorder: Recorder) -> None:
+    """Record no more into ``recorder`` (the spans so far stay in it)."""
+    if recorder in _recorders:
+        _recorders.remove(recorder)
 
 
 def end_step() -> None:

@@ -41,14 +41,14 @@ class PipelineTracer:
 
     def stop(self) -> None:
         """Record no more (the spans so far stay in ``self.recorder``)."""
-        stagetrace.record_into(None)
+        stagetrace.stop_recording(self.recorder)
 
     def finish(self, folder: str | Path, schedule: str, n_microbatches: int) -> Path | None:
         """Write this rank's file; gather every rank's spans on rank 0, which writes and draws.
 
         A collective: every rank of the default group calls it. Returns the PNG on rank 0.
         """
-        stagetrace.record_into(None)
+        stagetrace.stop_recording(self.recorder)
         folder = Path(folder)
         rank = self.recorder.rank
         spans = self.recorder.spans

@@ -16,20 +16,22 @@ two GPUs the shards use cuda:0 and cuda:1, with one they share cuda:0):
     python rpc_pipeline_resnet/main.py --batch_size 120 --image_size 128 --splits 1 2 4 8
 One rank per process under torchrun works too:
     torchrun --nproc_per_node 3 rpc_pipeline_resnet/main.py
-Prints "number of splits = N, execution time = T" for each N, then a table: every speed-up
-beside the machine's bound (and the classic two-stage 2m/(m+1)). Measured timelines:
-    python rpc_pipeline_resnet/main.py --splits 1 4 --trace traces/   # Perfetto JSON + PNG
+Prints "number of splits = N, execution time = T" for each N, as the tutorial does, and
+each batch's loss. Each rank's torch.profiler trace (every thread; opens in Perfetto):
+    python rpc_pipeline_resnet/main.py --splits 1 4 --trace traces/
 
 The tutorial's model is in model.py, its training loop (``run_master``) and ``run_worker``
-here. What is measured (measure.py: clocks, CPU time, page faults; trace.py: --trace spans)
-attaches from outside: ``measured`` hands ``run_master`` a ``Meter`` as ``on_batch``.
+here. Speed-ups beside the machine's bound: scripts/bench_rpc_pipeline_resnet.py, which
+attaches its meters to ``run_master``'s ``on_batch`` from outside.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -37,12 +39,11 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
+from torch.profiler import record_function
 from torch.distributed.optim import DistributedOptimizer
 
 import distkit
-from rpc_pipeline_resnet.measure import Meter, print_report, steady_malloc
 from rpc_pipeline_resnet.model import NUM_CLASSES, DistResNet50
-from rpc_pipeline_resnet.trace import Tracer, write_trace
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,8 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     parser.add_argument("--trace", default=None, metavar="DIR",
-                        help="write measured per-rank timelines here: splits_N.json (Chrome "
-                             "trace events, opens in Perfetto) per split value, timeline.png")
-    parser.add_argument("--default_malloc", action="store_true",
-                        help="leave glibc's malloc settings alone (page faults then make the "
-                             "timings depend on what ran before; see the README)")
+                        help="write each rank's torch.profiler trace here, rankN.json (Chrome "
+                             "trace events, every thread; opens in Perfetto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,14 +139,28 @@ def no_extras(model: DistResNet50, i: int) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+@dataclass
+class BatchClock:
+    """An ``on_batch`` that adds up the seconds of the batches after the --warmup ones."""
+
+    warmup: int
+    seconds: float = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self, model: object, i: int) -> Iterator[None]:
+        tik = time.perf_counter()
+        yield
+        if i >= self.warmup:
+            self.seconds += time.perf_counter() - tik
+
+
 def run_master(num_split: int, args: argparse.Namespace,
                on_batch: Callable[[DistResNet50, int], contextlib.AbstractContextManager] = no_extras,
                ) -> list[float]:
     """The tutorial's training loop: a fresh DistResNet50, ``num_split`` micro-batches a batch.
 
     Trains --warmup + --num_batches batches and returns their losses. ``on_batch(model, i)``
-    is entered around each batch: measure.Meter's clocks (and trace.Tracer's spans) attach
-    there, outside the loop.
+    is entered around each batch: ``BatchClock`` here, the benchmark's meters from outside.
     """
     # put the two model parts on worker1 and worker2 respectively; built from --seed, so
     # every split value starts from the same weights
@@ -191,8 +203,6 @@ def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOpt
 
 def set_up_process(worker: distkit.Worker, args: argparse.Namespace) -> None:
     """Beyond the tutorial, in every process before RPC starts (``run_worker``'s one call)."""
-    if not args.default_malloc:
-        steady_malloc()  # before the large tensors: see measure.py
     torch.manual_seed(args.seed + worker.rank)
     distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
     if worker.rank != 0 and args.threads is None:
@@ -201,36 +211,35 @@ def set_up_process(worker: distkit.Worker, args: argparse.Namespace) -> None:
         torch.set_num_threads(distkit.threads_per_process(min(2, worker.local_world_size)))
 
 
-def measured(train: Callable[..., list[float]], num_split: int, args: argparse.Namespace) -> dict:
-    """``train(num_split, args, on_batch=meter)`` (the tutorial's ``run_master``) with a fresh
-    ``Meter`` around every batch: clocks, CPU time and page faults, spans with --trace.
-    Returns the measured run (``Meter.result``): its losses, times and counters."""
-    meter = Meter(args, tracer=Tracer() if args.trace is not None else None)
-    losses = train(num_split, args, on_batch=meter)
-    return meter.result(num_split, losses)
+def timed(num_split: int, args: argparse.Namespace) -> dict:
+    """The tutorial's ``run_master(num_split)`` between two clock readings, less --warmup.
+    Returns the run: its split value, seconds and losses."""
+    clock = BatchClock(args.warmup)
+    with record_function(f"number of splits = {num_split}"):  # a span in the --trace
+        losses = run_master(num_split, args, on_batch=clock)
+    log.info(f"number of splits = {num_split}, execution time = {clock.seconds}")
+    log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
+    return {"num_split": num_split, "time": clock.seconds, "losses": losses}
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
     """Rank 0 is the master and trains; ranks 1 and 2 host the shards and wait for its RPCs.
 
-    The master trains one fresh model per --splits value; returns (rank 0) one measured
-    run per value. What goes beyond the tutorial enters through ``set_up_process`` (before
-    RPC) and ``measured`` (around each ``run_master``).
+    The master trains one fresh model per --splits value and returns (rank 0) one run per
+    value (``timed``). With --trace each rank is profiled, every thread (RPC's included).
     """
     set_up_process(worker, args)
     options = rpc_backend_options(args)
-    if worker.rank == 0:
-        rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)
-        runs = []
-        for num_split in args.splits:
-            runs.append(measured(run_master, num_split, args))
-            log.info(f"number of splits = {num_split}, execution time = {runs[-1]['time']}")
-    else:
-        rpc.init_rpc(f"worker{worker.rank}", rank=worker.rank, world_size=worker.world_size,
-                     rpc_backend_options=options)
-        runs = None
-    # block until all rpcs finish
-    rpc.shutdown()
+    runs = None
+    with distkit.profiled(args.trace, f"rank{worker.rank}"):
+        if worker.rank == 0:
+            rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)
+            runs = [timed(num_split, args) for num_split in args.splits]
+        else:
+            rpc.init_rpc(f"worker{worker.rank}", rank=worker.rank, world_size=worker.world_size,
+                         rpc_backend_options=options)
+        # block until all rpcs finish
+        rpc.shutdown()
     return runs
 
 
@@ -245,13 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             job.run(run_worker, args)
         else:
             mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
-    runs = job.results.get(0)
-    if runs is None:  # a torchrun rank other than 0
-        return 0
-    print_report(args, runs)
-    if args.trace is not None:
-        for path in write_trace(args.trace, runs):
-            print(f"trace written to {path}")
+    if args.trace is not None and job.results:
+        print(f"torch.profiler traces written to {args.trace}/rank<N>.json")
     return 0
 
 

@@ -7,8 +7,8 @@ micro-batches and fires them all off asynchronously, so while shard 2 works on m
 i, shard 1 already works on micro-batch i + 1.
 
 ``seed`` builds a shard's weights from its own generator state, so that every model built
-with one seed starts from the same weights whatever ran before. Nothing here measures or
-traces: ``measure.py`` and ``trace.py`` attach to these classes from outside.
+with one seed starts from the same weights whatever ran before. Nothing here measures:
+scripts/bench_rpc_pipeline_resnet.py attaches its meters from outside.
 """
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ Run on one machine (spawns the two processes; CPU + gloo unless each process has
     python rpc_pipeline_resnet/pipelining.py --world_size 2 --schedule 1F1B --splits 2 4 8
 One rank per process under torchrun, as the pipelining tutorial launches it:
     torchrun --nproc_per_node 2 rpc_pipeline_resnet/pipelining.py
-Prints what main.py prints: "number of splits = N, execution time = T" for each N, then the
-same table (speed-up beside the machine's bound, each batch's loss). --trace DIR writes the
-same per-rank timelines. The measurements attach from outside (stage_meter.py).
+Prints what main.py prints: "number of splits = N, execution time = T" for each N (rank 0)
+and each batch's loss (rank 1, the last stage). --trace DIR writes each rank's torch.profiler
+trace, where GPipe's own "Forward i"/"Backward i" spans show every micro-batch.
 """
 from __future__ import annotations
 
@@ -38,11 +38,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import distkit
 from distkit.schedules import schedule_problem  # builds the schedule around stand-in stages
-from rpc_pipeline_resnet.main import add_batch_args, check_batch_args, feature_size
-from rpc_pipeline_resnet.measure import print_report, steady_malloc
+from rpc_pipeline_resnet.main import BatchClock, add_batch_args, check_batch_args, feature_size
 from rpc_pipeline_resnet.model import ResNetBase, ResNetShard1, ResNetShard2
-from rpc_pipeline_resnet.stage_meter import StageMeter
-from rpc_pipeline_resnet.trace import write_trace
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +187,8 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
 
     main.py's ``run_master``, pipelined by a schedule instead of RPCs: trains --warmup +
     --num_batches batches and returns their losses (rank 1, which computes them; rank 0
-    returns none). ``on_batch(stage, i)`` is entered around each batch (stage_meter.py).
+    returns none). ``on_batch(stage, i)`` is entered around each batch: ``BatchClock`` here,
+    the benchmark's meters from outside.
     """
     stage_index, num_stages = rank, 2  # one stage per rank
     stage = manual_model_split(stage_index, num_stages, device, args, num_split)
@@ -235,18 +233,21 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
     """Both ranks: join the group, train one fresh pair of stages per --splits value.
 
-    Returns one measured run per value (stage_meter.StageMeter.result), on every rank.
+    Returns one run per value on every rank: its split value, rank 0's seconds for the
+    batches after --warmup, and rank 1's losses (rank 0 has none). --trace: each rank's
+    profile, with the schedule's own spans.
     """
-    if not args.default_malloc:
-        steady_malloc()  # as main.py's processes: see measure.py
     rank, device = init_distributed(placement(worker, args))
     runs = []
-    for num_split in args.splits:
-        meter = StageMeter(args, trace=args.trace is not None)  # clocks, CPU time, spans
-        losses = run_pipeline(num_split, args, rank, device, on_batch=meter)
-        runs.append(meter.result(num_split, losses))
-        if rank == 0:
-            log.info(f"number of splits = {num_split}, execution time = {runs[-1]['time']}")
+    with distkit.profiled(args.trace, f"rank{rank}"):
+        for num_split in args.splits:
+            clock = BatchClock(args.warmup)
+            losses = run_pipeline(num_split, args, rank, device, on_batch=clock)
+            runs.append({"num_split": num_split, "time": clock.seconds, "losses": losses})
+            if rank == 0:
+                log.info(f"number of splits = {num_split}, execution time = {clock.seconds}")
+            else:
+                log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
     dist.destroy_process_group()
     return runs
 
@@ -262,14 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             job.run(run_worker, args)
         else:
             mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
-    runs = job.results.get(0)
-    if runs is None:  # a torchrun rank other than 0
-        return 0
-    print_report(args, runs, holders=("rank 0", "rank 1"))
-    if args.trace is not None:
-        for path in write_trace(args.trace, runs, roles=f"{args.schedule}: rank 0 stage 0 = "
-                                f"shard 1, rank 1 stage 1 = shard 2"):
-            print(f"trace written to {path}")
+    if args.trace is not None and 0 in job.results:
+        print(f"torch.profiler traces written to {args.trace}/rank<N>.json")
     return 0
 
 

@@ -7,14 +7,14 @@ For every schedule and micro-batch count m it runs the example's own training lo
 (``pipelining_transformer.main.run_worker``, unchanged) on --world_size ranks, and beside
 it one process training the whole model (the same seeded ``Transformer``, batches and
 optimizer, no micro-batches) with as many threads as all the ranks together. In the ranks
-three methods are wrapped with clocks, nothing else is touched:
+two of the example's methods are wrapped with clocks, and stagetrace records the stages:
   - ``PipelineRank.optimizer_step``: a step runs from one optimizer step's end to the next's;
     step time is the median over the steps after --warmup, tokens/s = batch tokens / that;
   - ``PipelineRank.forward_backward``: the schedule's part of a step (its sends, receives,
     forwards and backwards);
-  - ``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk`` of every
-    stage, and the loss the schedule computes after the last stage's forward: a rank's
-    compute. Measured bubble = 1 - compute / schedule time, the share of the schedule a
+  - a rank's compute: its stages' F, B and W spans (the loss the schedule computes after the
+    last stage's forward counted in that F), recorded by ``distkit.stagetrace``, the one
+    module that wraps torch's private stage methods. Measured bubble = 1 - compute / schedule time, the share of the schedule a
     rank spends waiting (mean over ranks). Ideal bubble: the schedule's own action table
     played with unit costs (F 1, B 2, I 1, W 1; ``pipelining_transformer.planned.plan``):
     (p - 1) / (m + p - 1) for GPipe and 1F1B, less for the interleaved and zero-bubble ones.
@@ -45,16 +45,14 @@ import time
 from pathlib import Path
 
 import torch
-# private in torch 2.14.1: the base class holds the compute methods of both kinds of stage
-# (PipelineStage, and the tracer split's _PipelineStage); the schedule computes the loss
-from torch.distributed.pipelining import schedules as pp_schedules
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 import pipelining_transformer.main as example  # noqa: E402
 from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
+from distkit import stagetrace  # noqa: E402
 from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem  # noqa: E402
+from distkit.timeline import COMPUTE, Recorder  # noqa: E402
 from pipelining_transformer.cli import layer_count  # noqa: E402
 from pipelining_transformer.main import PipelineRank  # noqa: E402
 from pipelining_transformer.model import (  # noqa: E402
@@ -73,7 +71,7 @@ class Clocks:
         self.step_ends: list[float] = []
         self.schedule: list[float] = []
         self.compute: list[float] = []
-        self._busy = 0.0
+        self.recorder = Recorder(0)
 
     def install(self) -> None:
         def timed(fn, on_done):
@@ -86,18 +84,13 @@ class Clocks:
                     on_done(start, time.perf_counter())
             return wrapper
 
-        def add_busy(a: float, b: float) -> None:
-            self._busy += b - a
-
         def end_schedule(a: float, b: float) -> None:
             self.schedule.append(b - a)
-            self.compute.append(self._busy)
-            self._busy = 0.0
+            spans, self.recorder.spans = self.recorder.spans, []
+            self.compute.append(sum(s.end - s.start for s in spans if s.kind in COMPUTE))
+            stagetrace.end_step()
 
-        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            setattr(_PipelineStageBase, name, timed(getattr(_PipelineStageBase, name), add_busy))
-        loss = pp_schedules._PipelineSchedule._maybe_compute_loss
-        pp_schedules._PipelineSchedule._maybe_compute_loss = timed(loss, add_busy)
+        stagetrace.record_into(self.recorder)
         PipelineRank.forward_backward = timed(PipelineRank.forward_backward, end_schedule)
         PipelineRank.optimizer_step = timed(PipelineRank.optimizer_step,
                                             lambda a, b: self.step_ends.append(b))

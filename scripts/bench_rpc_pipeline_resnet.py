@@ -66,12 +66,11 @@ import torch.optim as optim
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
-import rpc_pipeline_resnet.main as example  # noqa: E402
 import rpc_pipeline_resnet.pipelining as pp_example  # noqa: E402
 from benchlib import check_at_least, describe_machine, format_table, median  # noqa: E402
 from distkit.schedules import schedule_problem  # noqa: E402
-from rpc_pipeline_resnet.measure import classic_bound, cores, steady_malloc  # noqa: E402
 from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2  # noqa: E402
+from resnet_meters import Meter, StageMeter, classic_bound, cores, steady_malloc  # noqa: E402
 
 HEADER = ["engine", "procs", "image", "m", "GFLOP/mb", "s/batch", "floor", "x 1 split", "bound 1",
           "eff.", "model", "vs rpc", "user s", "x user", "bound", "seq s", "x seq", "bound ",
@@ -157,22 +156,35 @@ def env_var(name: str, value: str | None) -> Iterator[None]:
 
 
 def bench_worker(engine: str, configs: list[tuple[int, int]], worker: distkit.Worker,
-                 args: argparse.Namespace):
+                 args: argparse.Namespace) -> list[dict]:
     """Every rank: the engine's own ``run_worker``; its i-th run is configuration i (its
-    training loop, measured by its meter, with configuration i's image size; ``--splits``
-    already lists the configurations' micro-batch counts in order)."""
+    training loop with configuration i's image size, and this benchmark's meter beside the
+    example's own ``on_batch``; ``--splits`` already lists the configurations' micro-batch
+    counts in order). Returns the measured runs (the RPC engine's on its master only)."""
+    steady_malloc()  # every process of the job keeps its memory: see resnet_meters.py
     module_name, loop_name = ENGINES[engine]
     module = importlib.import_module(module_name)
     loop = getattr(module, loop_name)
-    runs = iter(configs)
+    runs, measured = iter(configs), []
 
-    def run_config(num_split: int, args: argparse.Namespace, *rest, **kwargs) -> list[float]:
+    def run_config(num_split: int, args: argparse.Namespace, *rest, on_batch) -> list[float]:
         size, m = next(runs)
         assert m == num_split, (m, num_split)
-        return loop(m, argparse.Namespace(**{**vars(args), "image_size": size}), *rest, **kwargs)
+        meter = (Meter if engine == "rpc" else StageMeter)(args.warmup)
+
+        @contextlib.contextmanager
+        def examples_and_ours(model_or_stage, i: int) -> Iterator[None]:
+            with on_batch(model_or_stage, i), meter(model_or_stage, i):
+                yield
+
+        losses = loop(m, argparse.Namespace(**{**vars(args), "image_size": size}), *rest,
+                      on_batch=examples_and_ours)
+        measured.append(meter.result(losses))
+        return losses
 
     setattr(module, loop_name, run_config)
-    return module.run_worker(worker, args)
+    module.run_worker(worker, args)
+    return measured
 
 
 def summarize(jobs: list[tuple[str, int, list, list]], refs: dict, users: dict, gflops: dict,
@@ -372,7 +384,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         job_args.splits = [m for _, m in cfgs]  # run i of the job is cfgs[i]
         jobs.append((label, engine, procs, cfgs, job_args))
 
-    steady_malloc()  # the references too keep their memory: see rpc_pipeline_resnet/measure.py
+    steady_malloc()  # the references too keep their memory: see resnet_meters.py
     n_cores = len(cores())
     user_threads = args.user_threads or n_cores
     print(describe_machine(3, distkit.threads_per_process(2)))

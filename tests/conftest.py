@@ -229,6 +229,51 @@ def assert_all_gone(pids: list[int], within: float) -> None:
 
 
 # A pipelining_transformer run's --loss_log, and torchrun's restarted workers.
+def keep_weights(module, loop_name: str) -> list[dict]:
+    """In a spawned rank of rpc_pipeline_resnet: wrap ``module.<loop_name>`` (main.py's
+    ``run_master``, pipelining.py's ``run_pipeline``) so that every run also keeps CPU copies
+    of the weights before its first batch and after its last, beside the example's own
+    ``on_batch``. Returns the list they go to, one ``{"before": [...], "after": [...]}`` a run:
+    each shard's (RPC, on the master), or this rank's stage's, in a list of one."""
+    import contextlib
+
+    import torch.distributed.rpc as rpc
+
+    loop, kept = getattr(module, loop_name), []
+
+    def copies(model) -> list[dict]:
+        if hasattr(model, "p1_rref"):  # DistResNet50: ask each shard's owner
+            return [rpc.rpc_sync(r.owner(), _state_copy, args=(r,)) for r in (model.p1_rref, model.p2_rref)]
+        return [_cpu_state(model.submod)]  # a PipelineStage
+
+    def kept_loop(*args, on_batch, **kwargs) -> list[float]:
+        run: dict = {}
+
+        @contextlib.contextmanager
+        def examples_and_ours(model, i: int):
+            if "before" not in run:
+                run["before"] = copies(model)
+            with on_batch(model, i):
+                yield
+            run["after"] = copies(model)
+
+        losses = loop(*args, on_batch=examples_and_ours, **kwargs)
+        kept.append(run)
+        return losses
+
+    setattr(module, loop_name, kept_loop)
+    return kept
+
+
+def _cpu_state(module) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def _state_copy(module_rref) -> dict:
+    """On a shard's owner: a CPU copy of its weights and BatchNorm statistics."""
+    return _cpu_state(module_rref.local_value())
+
+
 def logged_losses(path: Path) -> list[tuple[int, float]]:
     """The (step, loss) lines that --loss_log wrote to ``path``, in order."""
     return [(e["step"], e["loss"]) for e in map(json.loads, path.read_text().splitlines())]

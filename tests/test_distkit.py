@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import signal
+import threading
 import time
 
 from pathlib import Path
@@ -271,3 +273,35 @@ def test_a_rank_killed_as_its_peer_fails_is_the_root_cause(tmp_path, capsys):
         distkit.launch(_raise_then_peer_killed, launch_args("--pid_dir", str(tmp_path)))
     err = capsys.readouterr().err
     assert "rank 1 died (signal SIGKILL); the job is stopped" in err, err
+
+
+@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
+def test_the_profiler_records_every_thread(tmp_path):
+    """distkit.profiled's private option (distkit/profiling.py, the one place it is named)
+    still exists and still records a thread other than the one that started the profiler,
+    as an RPC shard's work is; without the option this fails."""
+    go = threading.Event()
+
+    def work() -> None:
+        go.wait()
+        with torch.profiler.record_function("on another thread"):
+            torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    with distkit.profiled(str(tmp_path), "rank0"):
+        go.set()
+        thread.join()
+    events = json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "on another thread" for e in events)
+
+
+@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
+def test_stagetrace_wraps_only_names_this_torch_has():
+    """distkit/stagetrace.py, the one module that assigns private torch attributes, wraps
+    names this PyTorch still has: a rename upstream fails here, naming what to re-check."""
+    from distkit import stagetrace
+
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, names in stagetrace.PATCHED
+               for name in names if not hasattr(owner, name)]
+    assert not missing, f"torch {torch.__version__} lacks {missing}: re-check distkit/stagetrace.py"
