@@ -17,7 +17,9 @@ when one fails. ``Job`` adds what it does not give, each piece for the reason be
 - the report of the failure that came first: ``mp.spawn`` reports the first exit it sees, and a
   rank that raises can exit after the peer whose connection it closed; a device the job cannot
   run with is one line and exit 2, as for a bad flag;
-- Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running.
+- Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running;
+- a stopped rank (SIGSTOP) once another has exited: ``mp.spawn`` gives it 30 s to take a
+  SIGTERM it cannot take until continued, so the job continues it (``_continue_stopped``).
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) ``job.torchrun``
 is true and ``job.run`` runs this process's rank.
@@ -32,6 +34,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,6 +115,7 @@ class Rank:
                           LOCAL_WORLD_SIZE=str(len(self.ranks)), TORCHELASTIC_USE_AGENT_STORE="True",
                           **{TIMER_FILE: os.path.join(self.job_dir, "timer")})
         worker = Worker(rank, args.world_size, index, len(self.ranks), self.addr, self.port, args.device)
+        Path(self.job_dir, f"{rank}.pid").write_text(str(os.getpid()))  # for _continue_stopped
         try:
             result = run_rank(self.fn, worker, args,
                               failure_file=os.path.join(self.job_dir, f"{rank}.failed"))
@@ -159,6 +163,8 @@ class Job:
                                      log_event=self._timer_event)
         self.timer.start()
         self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        self._done = threading.Event()
+        threading.Thread(target=self._continue_stopped, daemon=True, name="distkit-job").start()
         return self
 
     def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> Rank:
@@ -187,12 +193,29 @@ class Job:
                     _die(refusals[0].read_text(), status=2)
                 _die(self._root_cause(exc))
         finally:
+            self._done.set()
             signal.signal(signal.SIGTERM, self._old_term)
             _stop(multiprocessing.active_children())  # after an interrupt they still run
             self.timer.stop()
             self.store = None
             shutil.rmtree(self.dir, ignore_errors=True)
         return False
+
+    def _continue_stopped(self) -> None:
+        """Once a rank has exited, send SIGCONT to any rank that is stopped: the SIGTERM that
+        mp.spawn sends it after a failure then ends it at once, not 30 s later (a rank a peer
+        lost to SIGSTOP, whose failure came as an RPC timeout rather than a hang report)."""
+        while not self._done.wait(0.5):
+            states = {}
+            for path in self.dir.glob("*.pid"):
+                try:
+                    states[int(path.read_text())] = _state(int(path.read_text()))
+                except ValueError:  # half written
+                    continue
+            if any(state in ("Z", "X", None) for state, _ in states.values()):
+                for pid, (state, parent) in states.items():
+                    if state in ("T", "t") and parent == os.getpid():
+                        os.kill(pid, signal.SIGCONT)
 
     def _timer_event(self, name: str, request: Any) -> None:
         if name == "timer expired" and request is not None:
@@ -230,6 +253,16 @@ def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Names
         else:
             mp.spawn(job.wrap(fn), args=(args,), nprocs=job.nprocs, join=True)
     return job.results
+
+
+def _state(pid: int) -> tuple[str | None, int | None]:
+    """A process's state letter in /proc (T: stopped, Z: exited, not reaped) and its parent's
+    pid; (None, None) once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None, None
+    return fields[0], int(fields[1])
 
 
 def _records(job_dir: Path, kind: str) -> list[tuple[float, int, str]]:

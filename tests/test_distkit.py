@@ -305,3 +305,35 @@ def test_stagetrace_wraps_only_names_this_torch_has():
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, names in stagetrace.PATCHED
                for name in names if not hasattr(owner, name)]
     assert not missing, f"torch {torch.__version__} lacks {missing}: re-check distkit/stagetrace.py"
+
+
+def _raise_while_peer_stopped(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    stopped = Path(args.pid_dir, "stopped.pid")
+    if worker.rank == 1:
+        stopped.write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # lost to its peers, not dead
+        time.sleep(60)
+        return
+    while _proc_state(stopped) != "T":
+        time.sleep(0.05)
+    raise RuntimeError("rank 0 gave up on its stopped peer")  # as an RPC timeout would
+
+
+def _proc_state(pid_file: Path) -> str | None:
+    try:
+        return Path(f"/proc/{int(pid_file.read_text())}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_rank_is_ended_with_the_job(tmp_path, capsys):
+    """A rank stopped (SIGSTOP) when its peer fails cannot take mp.spawn's SIGTERM, which
+    would wait 30 s for it; the job continues it, and the SIGTERM ends it at once."""
+    args = launch_args("--pid_dir", str(tmp_path))
+    start = time.monotonic()
+    with pytest.raises(SystemExit):
+        distkit.launch(_raise_while_peer_stopped, args)
+    took = time.monotonic() - start
+    assert "rank 0 failed" in capsys.readouterr().err
+    assert took < 20, f"the job took {took:.0f} s to end"
