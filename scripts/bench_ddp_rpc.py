@@ -10,7 +10,7 @@ trainer computes per iteration without any of it: the same ``nn.EmbeddingBag`` a
 ``nn.Linear`` on the same batches (``get_next_batch``) with a plain ``torch.optim.SGD``, on the
 CPU with the intra-op threads each distributed process gets.
 
-How it is measured (the machinery is ``bench_rpc_rnn``'s, shared):
+How it is measured (the machinery is ``rpc_phases.py``'s, shared with ``bench_rpc_rnn``):
   - each trainer's loop is timed from outside: ``dist_autograd.backward`` and
     ``DistributedOptimizer.step`` are wrapped with timers in the worker processes;
   - an iteration runs from one optimizer step's end to the next's; "forward" is the iteration
@@ -39,8 +39,8 @@ import torch.optim as optim
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
-from bench_rpc_rnn import PhaseClock, launch_timed, phase_seconds, plot, print_tables  # noqa: E402
-from bench_rpc_rnn import rpc_round_trip, summarize, threads  # noqa: E402
+from rpc_phases import PhaseClock, launch_timed, phase_seconds, plot, print_tables  # noqa: E402
+from rpc_phases import rpc_round_trip, summarize, threads  # noqa: E402
 from benchlib import check_at_least, describe_machine  # noqa: E402
 from ddp_rpc.main import build_parser as ddp_parser, check_args as ddp_check, run_worker  # noqa: E402
 from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch  # noqa: E402

@@ -27,30 +27,22 @@ The benchmark runs on the CPU (``--device cpu``) so that both sides use the same
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
 import torch.optim as optim
-from torch.distributed.optim import DistributedOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
-from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
+from benchlib import check_at_least, describe_machine, format_table  # noqa: E402
+from rpc_phases import (PhaseClock, launch_timed, phase_seconds, plot, print_tables,  # noqa: E402
+                        rpc_round_trip, summarize, threads)
 from rpc_rnn.main import build_parser as rnn_parser, check_args as rnn_check  # noqa: E402
 from rpc_rnn.main import get_next_batch, make_stream, run_worker  # noqa: E402
 from rpc_rnn.rnn import Decoder, EmbeddingTable  # noqa: E402
-
-PHASES = ("forward", "backward", "step")
 
 # model sizes: the example's defaults, and two larger ones (the last is about the word
 # language model's small configuration: 200-wide embedding and LSTM, 35 steps of 20 sequences)
@@ -60,145 +52,6 @@ CONFIGS: dict[str, dict[str, int]] = {
     "medium": dict(ntoken=1000, ninp=64, nhid=128, nlayers=2, seq_len=20, batch_size=32),
     "large": dict(ntoken=10000, ninp=200, nhid=200, nlayers=2, seq_len=35, batch_size=20),
 }
-
-
-@dataclass
-class PhaseClock:
-    """Timestamps of one training loop: (backward start, end, step start, end) per iteration."""
-
-    marks: list[tuple[float, float, float, float]] = field(default_factory=list)
-    _backward: tuple[float, float] = (math.nan, math.nan)
-
-    @contextmanager
-    def backward(self) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self._backward = (start, time.perf_counter())
-
-    @contextmanager
-    def step(self) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self.marks.append((*self._backward, start, time.perf_counter()))
-
-    def wrap_distributed(self) -> None:
-        """Time every ``dist_autograd.backward`` and ``DistributedOptimizer.step`` in this process.
-
-        The examples call both through the module and the class, so their loops are timed
-        as they are, without a line changed.
-        """
-        backward, step = dist_autograd.backward, DistributedOptimizer.step
-
-        def timed_backward(*args: Any, **kwargs: Any) -> None:
-            with self.backward():
-                backward(*args, **kwargs)
-
-        def timed_step(opt: DistributedOptimizer, *args: Any, **kwargs: Any) -> None:
-            with self.step():
-                step(opt, *args, **kwargs)
-
-        dist_autograd.backward = timed_backward
-        DistributedOptimizer.step = timed_step  # type: ignore[method-assign]
-
-
-def phase_seconds(marks: list[tuple[float, float, float, float]], warmup: int) -> dict[str, list[float]]:
-    """Per-iteration seconds of each phase, for the iterations after the first ``warmup``."""
-    out: dict[str, list[float]] = {p: [] for p in (*PHASES, "iteration")}
-    for i in range(max(1, warmup), len(marks)):
-        b0, b1, s0, s1 = marks[i]
-        total = s1 - marks[i - 1][3]
-        out["iteration"].append(total)
-        out["backward"].append(b1 - b0)
-        out["step"].append(s1 - s0)
-        out["forward"].append(total - (b1 - b0) - (s1 - s0))
-    return out
-
-
-def timed_run(run: Callable, worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """Runs in every process of the job: the example's own ``run_worker``, with a clock on."""
-    clock = PhaseClock()
-    clock.wrap_distributed()
-    return {"result": run(worker, args), "marks": clock.marks}
-
-
-def launch_timed(run: Callable, args: argparse.Namespace, warmup: int) -> list[dict[str, list[float]]]:
-    """Run the example once; the phase times of every process that trained (one per trainer)."""
-    out = distkit.launch(functools.partial(timed_run, run), args)
-    return [phase_seconds(r["marks"], warmup) for _, r in sorted(out.items()) if r["marks"]]
-
-
-def rpc_round_trip(calls: int) -> float:
-    """Median seconds of a no-op ``rpc_sync`` between two processes of this machine."""
-    from bench_rpc_rl import rtt_worker  # lazily: it imports the RL example
-
-    args = argparse.Namespace(world_size=2, ranks=None, master_addr=None, master_port=None,
-                              device="cpu", threads=None, rtt_calls=calls)
-    return median(distkit.launch(rtt_worker, args)[0])
-
-
-@contextmanager
-def threads(n: int) -> Iterator[None]:
-    """The local reference gets the intra-op threads each distributed process got."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def summarize(name: str, dist: list[dict[str, list[float]]], local: dict[str, list[float]],
-              rtt: float) -> dict:
-    """One table row: medians (pooled over trainers) beside the local reference's."""
-    row: dict[str, Any] = {"config": name}
-    for key in (*PHASES, "iteration"):
-        row[f"{key} ms"] = 1e3 * median([t for d in dist for t in d[key]])
-        row[f"local {key} ms"] = 1e3 * median(local[key])
-    d, loc = row.pop("iteration ms"), row.pop("local iteration ms")
-    row.update({"ms/it": d, "local ms/it": loc, "it/s": 1e3 / d, "local it/s": 1e3 / loc,
-                "rpc share": (d - loc) / d, "RTTs/it": (d - loc) / (1e3 * rtt)})
-    return row
-
-
-def print_tables(rows: list[dict], extra: list[str], share: str) -> None:
-    print(format_table(["config", *extra, "it/s", "local it/s", "ms/it", "local ms/it", share,
-                        "RTTs/it"], rows))
-    print("\n# median ms per phase, distributed (local): where the extra time goes")
-    phase_rows = [{"config": r["config"], **{p: f"{r[f'{p} ms']:.3g} ({r[f'local {p} ms']:.3g})"
-                                             for p in PHASES}} for r in rows]
-    print(format_table(["config", *PHASES], phase_rows))
-
-
-def plot(path: str | None, rows: list[dict], title: str, rest: str = "rpc") -> None:
-    """One bar per configuration: its distributed iteration, split into each phase's local
-    arithmetic (solid) and the rest of that phase (hatched), in % of the iteration."""
-    def draw(ax):
-        colors = dict(zip(PHASES, ("tab:blue", "tab:orange", "tab:green")))
-        x = range(len(rows))
-        bottom = [0.0] * len(rows)
-        for p in PHASES:
-            for part in ("compute", rest):
-                heights = []
-                for r in rows:
-                    compute = min(r[f"local {p} ms"], r[f"{p} ms"])
-                    heights.append(100 * (compute if part == "compute" else r[f"{p} ms"] - compute)
-                                   / sum(r[f"{q} ms"] for q in PHASES))
-                ax.bar(x, heights, bottom=bottom, color=colors[p], label=f"{p}: {part}",
-                       alpha=1.0 if part == "compute" else 0.35,
-                       hatch=None if part == "compute" else "//")
-                bottom = [b + h for b, h in zip(bottom, heights)]
-        for i, r in enumerate(rows):
-            ax.text(i, 101, f"{r['it/s']:.3g} it/s", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(list(x), [r["config"] for r in rows])
-        ax.set_ylim(0, 112)
-        ax.set_ylabel("% of a distributed iteration")
-        ax.set_title(title)
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-
-    save_plot(path, draw)
-
-
-# ---------------------------------------------------------------- rpc_rnn itself
 
 
 class LocalRNN(nn.Module):

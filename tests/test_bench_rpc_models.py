@@ -35,7 +35,7 @@ def assert_complete(rows: list[dict], share: str) -> None:
 
 
 def test_phase_seconds_splits_each_iteration():
-    from bench_rpc_rnn import phase_seconds
+    from rpc_phases import phase_seconds
 
     # (backward start, backward end, step start, step end) of three iterations
     marks = [(0.0, 1.0, 1.0, 2.0), (3.0, 5.0, 6.0, 7.0), (8.0, 9.0, 10.0, 12.0)]
