@@ -39,8 +39,8 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
-from torch.profiler import record_function
 from torch.distributed.optim import DistributedOptimizer
+from torch.profiler import record_function
 
 import distkit
 from rpc_pipeline_resnet.model import NUM_CLASSES, DistResNet50
