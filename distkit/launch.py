@@ -50,8 +50,6 @@ from .rendezvous import STORE_TIMEOUT, host_store, under_torchrun
 from .watchdog import TIMER_FILE, TIMER_MARGIN
 from .worker import Worker, die_with_parent, exit_now, run_rank
 
-# mp.spawn logs a warning for each rank it stops after a failure: the report says the job stopped
-logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 # A rank that raises waits this long before it exits: a peer killed by a signal (one it may
 # have broken) takes a while to become reapable when it has many threads (RPC's pools), and
@@ -163,6 +161,8 @@ class Job:
                                      log_event=self._timer_event)
         self.timer.start()
         self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        # mp.spawn logs a warning for each rank it stops after a failure: the report says so once
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         self._done = threading.Event()
         threading.Thread(target=self._continue_stopped, daemon=True, name="distkit-job").start()
         return self

@@ -243,7 +243,7 @@ def keep_weights(module, loop_name: str) -> list[dict]:
 
     def copies(model) -> list[dict]:
         if hasattr(model, "p1_rref"):  # DistResNet50: ask each shard's owner
-            return [rpc.rpc_sync(r.owner(), _state_copy, args=(r,)) for r in (model.p1_rref, model.p2_rref)]
+            return [rpc.rpc_sync(r.owner(), state_copy, args=(r,)) for r in (model.p1_rref, model.p2_rref)]
         return [_cpu_state(model.submod)]  # a PipelineStage
 
     def kept_loop(*args, on_batch, **kwargs) -> list[float]:
@@ -269,8 +269,8 @@ def _cpu_state(module) -> dict:
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
-def _state_copy(module_rref) -> dict:
-    """On a shard's owner: a CPU copy of its weights and BatchNorm statistics."""
+def state_copy(module_rref) -> dict:
+    """On a shard's owner (through RPC): a CPU copy of its weights and BatchNorm statistics."""
     return _cpu_state(module_rref.local_value())
 
 

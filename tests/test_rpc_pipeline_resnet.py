@@ -21,7 +21,7 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
 import distkit
-from conftest import checked_args, keep_weights, refused_before_launch, run_cli, run_torchrun
+from conftest import checked_args, keep_weights, refused_before_launch, run_cli, run_torchrun, state_copy
 import rpc_pipeline_resnet.main as example
 from rpc_pipeline_resnet.main import (WORKERS, final_feature_size,
                                       main, rpc_backend_options, run_worker)
@@ -40,11 +40,6 @@ TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 def make_args(*argv: str) -> argparse.Namespace:
     return checked_args("rpc_pipeline_resnet.main", *argv)
-
-
-def _state(module_rref: RRef) -> dict[str, torch.Tensor]:
-    """On a shard's owner: a CPU copy of its weights and BatchNorm statistics."""
-    return {k: v.detach().cpu().clone() for k, v in module_rref.local_value().state_dict().items()}
 
 
 def _grads(module_rref: RRef, context_id: int) -> dict[str, torch.Tensor]:
@@ -67,7 +62,7 @@ def _pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict |
     labels = torch.zeros(BATCH, NUM_CLASSES).scatter_(
         1, torch.randint(0, NUM_CLASSES, (BATCH, 1), generator=gen), 1)
 
-    before = fetch(_state)
+    before = fetch(state_copy)
     with dist_autograd.context() as context_id:
         # the very first forward of a fresh model: before anything else used the RRefs'
         # proxies (parameter_rrefs does), rpc_async() used to lose the autograd context
@@ -77,14 +72,14 @@ def _pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict |
         grads = fetch(_grads, context_id)
         opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=LR)
         opt.step(context_id)
-    after = fetch(_state)
+    after = fetch(state_copy)
 
     model.eval()
     eval_outputs = {}
     for k in EVAL_SPLITS:
         model.num_split = k
         eval_outputs[k] = model(inputs)
-    after_eval = fetch(_state)
+    after_eval = fetch(state_copy)
     rpc.shutdown()
     return {"inputs": inputs, "labels": labels, "before": before, "outputs": outputs,
             "loss": loss.detach(), "grads": grads, "after": after, "eval": eval_outputs,
