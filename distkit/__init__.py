@@ -7,9 +7,7 @@ Modules, each importing only those listed before it:
   worker      what runs inside every rank: logging, threads, cleanup, exit
   launch      Job: what the examples' mp.spawn needs beside it (the store, results, reports)
   args        the shared flags and their one-line refusals before launch
-  timeline    spans and Chrome traces for pipelining_transformer's --trace
   profiling   --trace: torch.profiler's Chrome trace of each rank, every thread
-  stagetrace  the spans of torch.distributed.pipelining's stages, for --trace (imported on its own)
   schedules   the pipelining schedules, where each puts its stages, and whether one can run a
               micro-batch count: both pipeline examples check it (imported on its own)
 

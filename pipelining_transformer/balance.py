@@ -14,8 +14,8 @@ projection and the loss alone (useful in the multi-stage schedules).
 forward + backward of each piece (the embedding, each layer's two halves, the head with
 the loss), averages the ranks' figures so that all choose the same, and ``choose_split``
 picks the contiguous split whose slowest stage is the fastest (``layout.stage_layout``
-makes it part of the stage layout that ``main.build_rank`` cuts the model by;
-``callbacks.StageCosts`` prints the prediction beside what the run measured).
+makes it part of the stage layout that ``main.build_rank`` cuts the model by; the
+benchmark measures each rank's compute in the run).
 """
 from __future__ import annotations
 

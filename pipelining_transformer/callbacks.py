@@ -5,8 +5,6 @@ every step of ``main.train`` (``on_step_end``) and once at the end (``on_train_e
 
   ``LossLog``      --loss_log PATH: one JSON line per step, the loss at full precision
   ``Checkpoints``  --checkpoint_dir DIR: a torch.distributed.checkpoint every K steps
-  ``Trace``        --trace DIR: every forward/backward/wait per rank (``timeline.py``)
-  ``StageCosts``   --stage_layers auto: each stage's predicted cost beside the measured one
   ``Summary``      always: steps, seconds, peak memory and the first and last loss
 """
 from __future__ import annotations
@@ -18,13 +16,10 @@ import resource
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from distkit.timeline import COMPUTE
 from pipelining_transformer import checkpoint
 from pipelining_transformer.cli import data_settings_from, layout_from
-from pipelining_transformer.timeline import PipelineTracer
 
 log = logging.getLogger(__name__)
 
@@ -94,71 +89,6 @@ class Checkpoints(StepCallback):
             log.info(f"checkpoint {path} complete")
 
 
-class Trace(StepCallback):
-    """--trace: each ``forward_backward`` becomes a "step" span, the stages' compute and
-    waits spans inside it; at the end the files and the drawing (``timeline.py``). Also on,
-    without files, for ``StageCosts``."""
-
-    def __init__(self, args: argparse.Namespace, pp) -> None:
-        self.args, self.step = args, 0
-        self.tracer = PipelineTracer(dist.get_rank())
-        inner = pp.forward_backward
-
-        def traced(*a, **kw):
-            with self.tracer.step(self.step):
-                return inner(*a, **kw)
-
-        pp.forward_backward = traced  # this rank object only; the class is untouched
-
-    def on_train_begin(self, first_step: int) -> None:
-        self.step = first_step
-
-    def on_step_end(self, step: int, loss: float | None) -> None:
-        self.step = step + 1  # the index of the next "step" span
-
-    def on_train_end(self) -> None:
-        if self.args.trace:
-            self.tracer.finish(self.args.trace, self.args.schedule, self.args.n_microbatches)
-        else:
-            self.tracer.stop()
-
-
-class StageCosts(StepCallback):
-    """--stage_layers auto: each stage's cost per micro-batch as balance.py predicted it
-    and as the run measured it (forward + backward spans of the steps after the first),
-    logged once at the end, beside each other."""
-
-    def __init__(self, pp, trace: Trace, n_microbatches: int) -> None:
-        self.predicted = dict(enumerate(pp.layout.predicted_ms))  # by stage index
-        self.trace, self.m = trace, n_microbatches
-        self.steps = self.first_step_end = 0  # spans before it belong to the first step (warm-up)
-
-    def on_step_end(self, step: int, loss: float | None) -> None:
-        self.steps += 1
-        if self.steps == 1:
-            self.first_step_end = len(self.trace.tracer.recorder.spans)
-
-    def on_train_end(self) -> None:
-        spans = self.trace.tracer.recorder.spans
-        steps = self.steps - 1  # the steps after the first
-        if steps < 1:  # one step only: measure it
-            self.first_step_end, steps = 0, 1
-        measured: dict[int, float] = {}
-        for s in spans[self.first_step_end:]:
-            if s.kind in COMPUTE:
-                measured[s.stage] = measured.get(s.stage, 0.0) + 1e3 * (s.end - s.start) / (steps * self.m)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, measured)  # each stage's replicas: their mean
-        per_stage: dict[int, list[float]] = {}
-        for rank_costs in everyone:
-            for stage, ms in rank_costs.items():
-                per_stage.setdefault(stage, []).append(ms)
-        if dist.get_rank() == 0:
-            log.info("stage costs per micro-batch, forward + backward: " + "; ".join(
-                f"stage {k} predicted {self.predicted[k]:.1f} ms, measured "
-                f"{sum(v) / len(v):.1f} ms" for k, v in sorted(per_stage.items())))
-
-
 class Summary(StepCallback):
     """Always on: the run's losses, time and peak memory, logged at the end and returned."""
 
@@ -197,9 +127,4 @@ def callbacks_for(args: argparse.Namespace, pp) -> list[StepCallback]:
         callbacks.append(LossLog(args.loss_log))
     if args.checkpoint_dir:
         callbacks.append(Checkpoints(args, pp))
-    auto = pp.layout.predicted_ms is not None  # --stage_layers auto
-    if args.trace or auto:
-        callbacks.append(Trace(args, pp))
-    if auto:
-        callbacks.append(StageCosts(pp, callbacks[-1], args.n_microbatches))
     return callbacks

@@ -62,9 +62,8 @@ def add_extra_args(parser: argparse.ArgumentParser) -> None:
                         help='append {"step": N, "loss": L} per step to PATH, one JSON line each, '
                              "the loss at full precision (a resumed run continues the file)")
     parser.add_argument("--trace", default=None, metavar="DIR",
-                        help="record every forward/backward/weight-gradient and P2P wait per rank: "
-                             "DIR/rank<r>.json, merged DIR/trace.json (Perfetto), DIR/timeline.png "
-                             "(last step, measured beside PyTorch's plan)")
+                        help="write each rank's torch.profiler trace here, rank<r>.json (Chrome "
+                             "trace events with the schedule's own spans; opens in Perfetto)")
     ckpt = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
     ckpt.add_argument("--checkpoint_dir", default=None, metavar="DIR",
                       help="save into DIR/step_<N>/ every --checkpoint_every steps and at the end")

@@ -5,8 +5,8 @@
          around for gloo (workarounds.py) and, with --dp_size, sharded over the replicas
          (dp.py), each replica drawing dropout masks of its own
   start  ``Hooks(args, pp, callbacks_for)``: ``main.train`` makes it once the rank is
-         built: it says where the stages are, resumes (--resume: ``first_step``) and
-         starts the step callbacks the flags ask for (callbacks.py)
+         built: it says where the stages are, resumes (--resume: ``first_step``), starts
+         torch.profiler (--trace) and the step callbacks the flags ask for (callbacks.py)
   step   ``Hooks.on_step_end(step, loss)``: after each step of ``main.train``
   end    ``Hooks.on_train_end()``: the callbacks' last word; the run's summary, which
          ``main.run_worker`` returns to the launcher and ``exit_status`` judges
@@ -16,15 +16,18 @@ Without a flag, each hook does only what every run needs: the gloo workarounds, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
+import distkit
 from pipelining_transformer import checkpoint, dp, workarounds
 from pipelining_transformer.callbacks import StepCallback, Summary, callbacks_for, parts_of
 from pipelining_transformer.cli import layout_from
@@ -67,6 +70,10 @@ class Hooks:
         log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
                  f"({args.schedule}, {args.split} split{replica}) on {pp.device}")
         self.first_step = resume(args, pp)  # 0 unless --resume finds a checkpoint
+        # --trace: the steps under torch.profiler, with the schedule's own spans ("Forward 0",
+        # "PP:0F1"), written to DIR/rank<r>.json when the training ends
+        self.profiler = contextlib.ExitStack()
+        self.profiler.enter_context(distkit.profiled(args.trace, f"rank{dist.get_rank()}"))
         self.summary = Summary(args)
         self.callbacks = [self.summary, *callbacks_for(args, pp)]
         for callback in self.callbacks:
@@ -77,6 +84,7 @@ class Hooks:
             callback.on_step_end(step, loss)
 
     def on_train_end(self) -> dict:
+        self.profiler.close()
         for callback in self.callbacks:
             callback.on_train_end()
         # the split the run used (with --stage_layers auto, the one it chose)

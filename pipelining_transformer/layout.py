@@ -8,7 +8,7 @@ tracer). Here the layers are divided among any number of stages, in halves if as
 (schedules.py). ``stage_layout`` works all of that out once per run, the measurement of
 ``auto`` included, and ``main.build_rank`` hands the value down: to the manual split (each
 stage's layer range, its halves), to the tracer (where it cuts), and, through the rank, to
-what records the layout (checkpoints, ``callbacks.StageCosts``). Nothing recomputes it.
+what records the layout (checkpoints). Nothing recomputes it.
 """
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ class StageLayout:
     # the counts --stage_layers gave or auto chose; None: as even as can be (then the
     # checkpoints' layout does not name them, as before there was a choice)
     chosen: tuple[float, ...] | None = None
-    predicted_ms: tuple[float, ...] | None = None  # auto: each stage's predicted cost
 
     @property
     def num_stages(self) -> int:
@@ -90,11 +89,10 @@ def stage_layout(args: argparse.Namespace, place: Place, model: Transformer) -> 
     pieces on the ranks first (a collective: every rank calls this, and all get one answer)."""
     num_stages = num_stages_for(args.schedule, place.pp_size)
     rows = args.batch_size // (place.dp_size * args.n_microbatches)  # one micro-batch's
-    sizes, predicted = args.stage_layers, None
+    sizes = args.stage_layers
     if sizes == "auto":
-        split = balance.auto_split(model, rows, args.seq_len, num_stages, place.device)
-        sizes, predicted = split.stage_layers, tuple(split.predicted_ms)
+        sizes = balance.auto_split(model, rows, args.seq_len, num_stages, place.device).stage_layers
     bounds = stage_bounds(args.n_layers, num_stages, sizes)
     return StageLayout(args.n_layers, tuple(bounds),
                        tuple(stage_indices_for(args.schedule, place.pp_rank, place.pp_size)), rows,
-                       tuple(sizes) if sizes else None, predicted)
+                       tuple(sizes) if sizes else None)

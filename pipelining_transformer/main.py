@@ -19,7 +19,7 @@ One rank per process under torchrun, as the tutorial launches it:
 The model is the tutorial's (dim 512, 8 layers, 8 heads, vocabulary 10000); the batch is
 CPU-sized (8 x 16 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell.
 
-Beyond the tutorial, each behind its flag: --loss_log, --trace DIR, --checkpoint_dir/
+Beyond the tutorial, each behind its flag: --loss_log, --trace DIR (torch.profiler), --checkpoint_dir/
 --checkpoint_every/--resume (and torchrun --max-restarts), --dp_size D (FSDP2 over a
 ("dp", "pp") mesh), --stage_layers (halves, auto), every schedule PyTorch offers
 (docs/pipelining_transformer.md). None of it is written out in the functions above: the
@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             job.run(run_worker, args)
         else:
             mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+    if args.trace is not None and job.results:
+        print(f"torch.profiler traces written to {args.trace}/rank<N>.json")
     return extras.exit_status(job.results)  # 1 if the loss of a run from step 0 did not fall
 
 

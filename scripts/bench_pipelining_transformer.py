@@ -13,10 +13,10 @@ two of the example's methods are wrapped with clocks, and stagetrace records the
   - ``PipelineRank.forward_backward``: the schedule's part of a step (its sends, receives,
     forwards and backwards);
   - a rank's compute: its stages' F, B and W spans (the loss the schedule computes after the
-    last stage's forward counted in that F), recorded by ``distkit.stagetrace``, the one
+    last stage's forward counted in that F), recorded by ``stagetrace.py``, the one
     module that wraps torch's private stage methods. Measured bubble = 1 - compute / schedule time, the share of the schedule a
     rank spends waiting (mean over ranks). Ideal bubble: the schedule's own action table
-    played with unit costs (F 1, B 2, I 1, W 1; ``pipelining_transformer.planned.plan``):
+    played with unit costs (F 1, B 2, I 1, W 1; ``pipeline_plan.plan``):
     (p - 1) / (m + p - 1) for GPipe and 1F1B, less for the interleaved and zero-bubble ones.
 Peak memory is each process's peak resident set (``ru_maxrss``, ``import torch`` included).
 
@@ -42,6 +42,7 @@ import math
 import resource
 import sys
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import torch
@@ -50,14 +51,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 import pipelining_transformer.main as example  # noqa: E402
 from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
-from distkit import stagetrace  # noqa: E402
 from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem  # noqa: E402
-from distkit.timeline import COMPUTE, Recorder  # noqa: E402
 from pipelining_transformer.cli import layer_count  # noqa: E402
 from pipelining_transformer.main import PipelineRank  # noqa: E402
 from pipelining_transformer.model import (  # noqa: E402
     Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn)
-from pipelining_transformer.planned import ideal_bubble  # noqa: E402
+from pipeline_plan import ideal_bubble  # noqa: E402
+import stagetrace  # noqa: E402
+from stagetrace import COMPUTE, Recorder  # noqa: E402
 
 HEADER = ["schedule", "split", "m", "step ms", "tokens/s", "local step ms", "local tokens/s", "speed-up",
           "1-thread step ms", "balance", "bubble", "ideal bubble", "peak MB/rank", "local peak MB"]
@@ -67,11 +68,12 @@ QUICK_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B"]
 class Clocks:
     """Per-step timings of one rank: step ends, schedule seconds, compute seconds."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
         self.step_ends: list[float] = []
         self.schedule: list[float] = []
         self.compute: list[float] = []
-        self.recorder = Recorder(0)
+        self.spans: list[list[tuple]] = []  # each step's spans, for the tests
+        self.recorder = Recorder(rank)
 
     def install(self) -> None:
         def timed(fn, on_done):
@@ -88,6 +90,7 @@ class Clocks:
             self.schedule.append(b - a)
             spans, self.recorder.spans = self.recorder.spans, []
             self.compute.append(sum(s.end - s.start for s in spans if s.kind in COMPUTE))
+            self.spans.append([astuple(s) for s in spans])
             stagetrace.end_step()
 
         stagetrace.record_into(self.recorder)
@@ -98,12 +101,12 @@ class Clocks:
 
 def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     """Every rank: the example's ``run_worker`` with its clocks on."""
-    clocks = Clocks()
+    clocks = Clocks(worker.rank)
     clocks.install()
     result = example.run_worker(worker, args)
     # the result's "stage_layers": the split the run used (auto: as chosen)
     return {**result, "step_ends": clocks.step_ends, "schedule": clocks.schedule,
-            "compute": clocks.compute}
+            "compute": clocks.compute, "spans": clocks.spans}
 
 
 def local_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:

@@ -296,17 +296,6 @@ def test_the_profiler_records_every_thread(tmp_path):
     assert any(e.get("name") == "on another thread" for e in events)
 
 
-@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
-def test_stagetrace_wraps_only_names_this_torch_has():
-    """distkit/stagetrace.py, the one module that assigns private torch attributes, wraps
-    names this PyTorch still has: a rename upstream fails here, naming what to re-check."""
-    from distkit import stagetrace
-
-    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, names in stagetrace.PATCHED
-               for name in names if not hasattr(owner, name)]
-    assert not missing, f"torch {torch.__version__} lacks {missing}: re-check distkit/stagetrace.py"
-
-
 def _raise_while_peer_stopped(worker: distkit.Worker, args: argparse.Namespace) -> None:
     stopped = Path(args.pid_dir, "stopped.pid")
     if worker.rank == 1:

@@ -1,14 +1,25 @@
-"""pipelining_transformer's planned (ideal) bubbles and its measured ``--trace`` timelines."""
+"""Inside a pipeline: the example's ``--trace`` (torch.profiler), and the benchmark's
+instruments: the planned (ideal) bubbles (scripts/pipeline_plan.py) and each rank's
+compute as ``scripts/stagetrace.py`` records it."""
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
+import torch
 
-from distkit.schedules import SCHEDULES, num_stages_for
+import distkit
+from conftest import checked_args
+from distkit.schedules import SCHEDULES, num_stages_for, stage_indices_for
 from pipelining_transformer import main as example
-from pipelining_transformer.planned import action_table, plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_pipelining_transformer as bench  # noqa: E402
+import stagetrace  # noqa: E402
+from pipeline_plan import action_table, plan  # noqa: E402
 
 ZERO_BUBBLE = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 TINY = ["--dim", "32", "--n_layers", "4", "--n_heads", "2", "--vocab_size", "64", "--dropout", "0",
@@ -42,38 +53,28 @@ def test_1f1b_table_is_what_its_runtime_runs():
     assert [f"{k}{mb}" for k, _, mb in table[1]] == "F0 B0 F1 B1 F2 B2 F3 B3".split()
 
 
-def spans_by_step(spans):
-    """Compute spans keyed by (step, kind, stage, micro-batch), each step from its rank's window."""
-    steps = [s for s in spans if s.kind == "step"]
+def spans_by_step(steps: list[list[tuple]]):
+    """Compute spans keyed by (step, kind, stage, micro-batch): how many, and the last one."""
     out = Counter()
     found = {}
-    for s in spans:
-        if s.kind in ("F", "B", "W"):
-            step = [t.microbatch for t in steps if t.rank == s.rank and t.start <= s.start <= t.end]
-            assert len(step) == 1, s
-            key = (step[0], s.kind, s.stage, s.microbatch)
-            out[key] += 1
-            found[key] = s
+    for step, spans in enumerate(steps):
+        for s in map(lambda t: stagetrace.Span(*t), spans):
+            if s.kind in stagetrace.COMPUTE:
+                key = (step, s.kind, s.stage, s.microbatch)
+                out[key] += 1
+                found[key] = s
     return out, found
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "ZBVZeroBubble"])
-def test_trace_every_action_once_in_dependency_order(schedule, tmp_path):
-    from distkit.timeline import read_chrome_trace
-
+def test_stagetrace_records_every_action_once_in_dependency_order(schedule):
+    """The benchmark's compute clock: every forward / backward / weight gradient of every
+    stage and micro-batch, once per step, on one clock across the ranks."""
     steps, m = 2, 2
-    folder = tmp_path / "trace"
-    assert example.main([*TINY, "--schedule", schedule, "--n_microbatches", str(m),
-                         "--steps", str(steps), "--trace", str(folder)]) == 0
-    for name in ("trace.json", "planned.json", "rank0.json", "rank1.json"):
-        assert json.loads((folder / name).read_text())["traceEvents"]  # valid Chrome trace JSON
-    assert (folder / "timeline.png").stat().st_size > 10_000
-    spans = read_chrome_trace(folder / "trace.json")
-    assert {s.rank for s in spans} == {0, 1}
-    # the merged file is the ranks' own files together
-    assert sorted(spans, key=repr) == sorted(read_chrome_trace(folder / "rank0.json")
-                                             + read_chrome_trace(folder / "rank1.json"), key=repr)
-
+    args = checked_args("pipelining_transformer.main", *TINY, "--schedule", schedule,
+                        "--n_microbatches", str(m), "--steps", str(steps))
+    ranks = distkit.launch(bench.pipeline_worker, args)
+    spans = [[s for r in ranks.values() for s in r["spans"][step]] for step in range(steps)]
     count, found = spans_by_step(spans)
     n_stages = num_stages_for(schedule, 2)
     backward = ["B", "W"] if schedule in ZERO_BUBBLE else ["B"]
@@ -89,7 +90,32 @@ def test_trace_every_action_once_in_dependency_order(schedule, tmp_path):
                 assert found[step, "F", stage, mb].start >= found[step, "F", stage - 1, mb].end
                 assert found[step, "B", stage - 1, mb].start >= found[step, "B", stage, mb].end
     # waits were observed where the data comes from the other rank
-    assert any(s.kind == "recv" and s.rank == 1 and s.stage == 1 for s in spans)
+    assert any(s[1] == "recv" and s[0] == 1 and s[4] == 1 for step in spans for s in step)
+
+
+@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
+def test_stagetrace_wraps_only_names_this_torch_has():
+    """scripts/stagetrace.py, the one module that assigns private torch attributes, wraps
+    names this PyTorch still has: a rename upstream fails here, naming what to re-check."""
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, names in stagetrace.PATCHED
+               for name in names if not hasattr(owner, name)]
+    assert not missing, f"torch {torch.__version__} lacks {missing}: re-check scripts/stagetrace.py"
+
+
+def test_trace_holds_every_action_the_schedule_ran(tmp_path):
+    """--trace: each rank's torch.profiler trace holds the span ZBVZeroBubble's runtime records
+    per action ("PP:0F1"): a forward, an input gradient and a weight gradient per stage this
+    rank holds, micro-batch and step (GPipe's own spans: test_resnet_two_pipelines)."""
+    steps, m = 2, 2
+    assert example.main([*TINY, "--schedule", "ZBVZeroBubble", "--n_microbatches", str(m),
+                         "--steps", str(steps), "--trace", str(tmp_path)]) == 0
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"rank{rank}.json").read_text())["traceEvents"]
+        names = Counter(e.get("name") for e in events)
+        for stage in stage_indices_for("ZBVZeroBubble", rank, 2):
+            for mb in range(m):
+                for kind in "FIW":
+                    assert names[f"PP:{stage}{kind}{mb}"] == steps, (rank, stage, kind, mb)
 
 
 def test_trace_into_a_file_is_refused_before_launch(tmp_path, capsys, monkeypatch):

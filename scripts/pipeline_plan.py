@@ -7,7 +7,7 @@ stages equal. Each rank runs its actions in the table's order; an action starts 
 rank is free and its inputs exist (F of micro-batch i on stage s after F of i on s - 1;
 B or I of i on s after B or I of i on s + 1; W after I). The ideal bubble of a rank is
 1 - its busy time / the makespan: for GPipe and 1F1B that is (p - 1) / (m + p - 1).
-``timeline.py`` draws a measured step beside this plan; the benchmark reports ``ideal_bubble``.
+The benchmark reports ``ideal_bubble`` beside the bubble it measures.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 from distkit.schedules import SCHEDULES, num_stages_for, stage_indices_for
-from distkit.timeline import Span
+from stagetrace import Span
 
 # The cost model of the plan, in units of one stage's forward of one micro-batch
 COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-# How a planned action is drawn: I (input gradients only) is a backward, as in distkit
+# A planned action's span kind: I (input gradients only) is a backward, as stagetrace records it
 KIND = {"F": "F", "B": "B", "I": "B", "W": "W"}
 
 

@@ -1,21 +1,22 @@
 """Spans of torch.distributed.pipelining's stages, for every schedule, without copying one.
 
+The benchmark of pipelining_transformer measures each rank's compute with it (its bubble).
 ``record_into(recorder)`` wraps (once per process) the stages' compute,
 ``forward_one_chunk`` (F), ``backward_one_chunk`` (B) and ``backward_weight_one_chunk`` (W),
 the loss the schedule computes after the last stage's forward (counted in that F), and the
 schedules' waits on their P2P work objects (``send``, ``recv``, ``wait``), and records them
-into ``recorder`` (and every other recorder it was given: the example's ``--stage_layers auto``
-and the benchmark record at once) until ``stop_recording(recorder)``. ``end_step()`` after
-each ``schedule.step``.
-pipelining_transformer's ``--trace`` (timeline.py) and its benchmark's compute clocks use it.
-Why not torch.profiler: Schedule1F1B (torch 2.14) records no span of its own, and no
-schedule records its waits on P2P work by stage and micro-batch.
+into ``recorder`` (and every other recorder it was given) until ``stop_recording(recorder)``.
+``end_step()`` after each ``schedule.step``.
+Why not torch.profiler (which the example's --trace uses): Schedule1F1B (torch 2.14) records
+no span of its own, and no schedule records its waits on P2P work by stage and micro-batch.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 # Private in torch 2.14.1 (pinned: re-check on upgrade). _PipelineStageBase and the two P2P
 # helpers are where every schedule's compute and waits happen, so wrapping them observes
@@ -23,11 +24,40 @@ from collections.abc import Iterator
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from .timeline import Recorder, Span, clock
+COMPUTE = ("F", "B", "W")  # forward, backward (input gradients, or all of it), weight gradients
+
+
+def clock() -> float:
+    """The wall clock, which every process of one machine shares: spans of several ranks compare."""
+    return time.time()
+
+
+@dataclass(frozen=True)
+class Span:
+    """One measured (or planned) interval of one rank's work."""
+
+    rank: int
+    kind: str                 # one of COMPUTE, or "send", "recv", "wait"
+    start: float              # seconds on clock()
+    end: float
+    stage: int | None = None
+    microbatch: int | None = None
+
+
+class Recorder:
+    """Collects one rank's spans. Cheap enough to leave on for a whole run."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.spans: list[Span] = []
+
+    def add(self, kind: str, start: float, end: float, stage: int | None = None,
+            microbatch: int | None = None) -> None:
+        self.spans.append(Span(self.rank, kind, start, end, stage, microbatch))
 
 # Everything _install wraps: private names of torch 2.14.1 (and 2.10). This module is the one
-# place any private torch attribute is assigned; the benchmark of pipelining_transformer
-# records through it too. test_stagetrace_wraps_only_names_this_torch_has fails on a rename.
+# place any private torch attribute is assigned. test_stagetrace_wraps_only_names_this_torch_has
+# fails on a rename.
 PATCHED = ((_PipelineStageBase, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
                                  "get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops",
                                  "get_bwd_send_ops")),
