@@ -1,21 +1,13 @@
 """``--stage_layers auto``: cut the model where the measured costs say, not by layer count.
 
-Beyond the tutorial, which gives every stage the same number of layers. The last stage
-also computes the output projection over the whole vocabulary and the loss (on the
-tutorial's model, about 1.1 layers' worth), so equal layer counts leave it the slowest,
-and with 8 layers no split of whole layers is even. So the cut may also fall inside a
-layer, between its attention (self- and cross-attention, ~55 %) and its feed-forward
-block (~45 %): one tensor crosses that cut, as between layers. ``--stage_layers 4.5 3.5``
-says it by hand: stage 0 gets layers 0-3 and layer 4's attention, stage 1 layer 4's
-feed-forward and layers 5-7. A last stage of 0 layers holds the norm, the output
-projection and the loss alone (useful in the multi-stage schedules).
-
-``auto_split`` measures, on every rank with the run's own micro-batch shape and threads,
-forward + backward of each piece (the embedding, each layer's two halves, the head with
-the loss), averages the ranks' figures so that all choose the same, and ``choose_split``
-picks the contiguous split whose slowest stage is the fastest (``layout.stage_layout``
-makes it part of the stage layout that ``main.build_rank`` cuts the model by; the
-benchmark measures each rank's compute in the run).
+The last stage also computes the output projection over the vocabulary and the loss
+(about 1.1 layers' worth on the tutorial's model), so the tutorial's equal layer counts
+leave it the slowest. A cut may therefore fall inside a layer, between its attention
+(~55 %) and its feed-forward block (~45 %): ``--stage_layers 4.5 3.5`` gives stage 0
+layers 0-3 and layer 4's attention. A last stage of 0 layers holds the head alone.
+``auto_split`` times forward + backward of each piece (embedding, each half layer, head
+with loss) on every rank with the run's own micro-batch, averages over the ranks, and
+``choose_split`` picks the contiguous split whose slowest stage is fastest.
 """
 from __future__ import annotations
 
@@ -42,12 +34,9 @@ PARTS = {ATTENTION: ("self_attn", "norm1", "dropout1", "multihead_attn", "norm2"
 
 
 class HalfLayer(nn.Module):
-    """One half of an ``nn.TransformerDecoderLayer`` (post-norm, as the tutorial's).
-
-    Called like the layer, ``half(tgt, memory)``, so ``Transformer.forward`` runs it
-    unchanged; ``attention`` then ``feed_forward`` compute exactly what the layer does,
-    in the same order (and so with the same dropout draws).
-    """
+    """One half of a post-norm ``nn.TransformerDecoderLayer``, called like the layer; the
+    attention half then the feed-forward half compute exactly what the layer does, in the
+    same order (so with the same dropout draws)."""
 
     def __init__(self, layer: nn.TransformerDecoderLayer, part: str) -> None:
         super().__init__()
@@ -107,13 +96,9 @@ class Split:
 
 
 def choose_split(piece_ms: Sequence[float], num_stages: int) -> Split:
-    """The contiguous split of the pieces whose slowest stage costs least.
-
-    ``piece_ms``: the embedding, then each layer's attention and feed-forward halves in
-    order, then the head (norm, output projection, loss). Every stage but the last gets at
-    least one half layer; the last may get none (the head alone). Ties go to the earlier
-    cut. Dynamic programming over the cut positions, O(stages x halves^2).
-    """
+    """The contiguous split of the pieces (embedding, each half layer, head) whose slowest
+    stage costs least; every stage but the last gets at least one half layer. Ties go to
+    the earlier cut. Dynamic programming over the cut positions, O(stages x halves^2)."""
     emb, halves, head = piece_ms[0], list(piece_ms[1:-1]), piece_ms[-1]
     n = len(halves)
     if n % 2 or num_stages < 1 or num_stages - 1 > n:
@@ -156,13 +141,10 @@ def _timed(fn, device: torch.device) -> float:
 
 def _median_seconds(pieces: list, device: torch.device, repeats: int, at_least: float = 0.05,
                     most: int = 50) -> list[float]:
-    """Each piece's median time over rounds that time every piece once, in turn.
-
-    Round-robin, so that a slow spell of the machine (another process, a throttled core)
-    slows every piece alike and leaves their ratios, which are what the split depends on,
-    intact. One untimed round first (allocations, first loads), then ``repeats`` rounds, or
-    more until the quickest piece adds up to ``at_least`` seconds (small pieces are noisy).
-    """
+    """Each piece's median time over rounds that time every piece once, in turn: a slow
+    spell of the machine slows every piece alike and leaves their ratios, which the split
+    depends on, intact. One untimed round, then ``repeats`` rounds, or more until the
+    quickest piece adds up to ``at_least`` seconds."""
     first = [_timed(piece, device) for piece in pieces]
     rounds = min(most, max(repeats, math.ceil(at_least / max(min(first), 1e-6))))
     times = [[_timed(piece, device) for piece in pieces] for _ in range(rounds)]
@@ -172,12 +154,8 @@ def _median_seconds(pieces: list, device: torch.device, repeats: int, at_least: 
 def measure_pieces(model: Transformer, rows: int, seq_len: int, device: torch.device,
                    repeats: int = 3) -> list[float]:
     """Forward + backward milliseconds of each piece (``choose_split``'s order) on one
-    micro-batch of ``rows`` x ``seq_len`` tokens, in this process, on ``device``.
-
-    Random inputs and output gradients (the cost does not depend on the values); the
-    model's gradients are cleared after, and the random state is left as it was, so the
-    run draws the same dropout masks as without the measurement.
-    """
+    micro-batch of ``rows`` x ``seq_len`` tokens. Random inputs; the gradients are cleared
+    after and the random state left as it was (the run draws the same dropout masks)."""
     model = model.to(device)
     vocab, dim = model.tok_embeddings.num_embeddings, model.tok_embeddings.embedding_dim
     gen = torch.Generator().manual_seed(0)

@@ -15,20 +15,12 @@ step (``step_<N>/``), as PyTorch's ``get_state_dict`` names it with
     rng.rank_<r>.cpu, .cuda       rank r's random state (CPU generator; CUDA where it trains
                                   on a GPU) after the step: what its next dropout masks are
 
-Because nothing in the keys says which stage or rank wrote them, any split (2 stages, 4
-stages, one process with the whole ``Transformer``) loads any checkpoint: each process asks
-for the keys of the parameters it holds, and ``set_state_dict`` puts them back. A checkpoint
-counts only once rank 0 has written ``COMPLETE`` (after a barrier, so after every rank's
-files are on disk). DCP's own commit, ``.metadata`` written last, says the save finished;
-the marker is kept because it also lists every file and its size, so a file truncated since
-is refused instead of loaded (``test_truncated_or_unfinished_checkpoint_is_refused``); so is
-one whose marker or ``.metadata`` cannot be read, and a resume whose data settings differ
-from the saved ones (it would read another stream).
-
-The random states go back to their ranks only in the layout that saved them: there rank r
-runs the same stages on the same micro-batches, so it draws the same dropout masks as an
-uninterrupted run would. Another layout draws other masks whatever state it is given, so
-there every rank is seeded afresh from (seed, step, rank) instead: reproducible, not equal.
+No key names a stage or rank, so any split (one process with the whole ``Transformer``
+too) loads any checkpoint. A checkpoint counts once rank 0 has written ``COMPLETE`` after
+every rank's files: DCP's ``.metadata``-last commit says the save finished, and the marker
+also lists every file's size, so a file truncated since is refused
+(``test_truncated_or_unfinished_checkpoint_is_refused``). Random states go back only in the
+layout that saved them (the same dropout masks); another layout seeds from (seed, step, rank).
 """
 from __future__ import annotations
 
@@ -96,16 +88,14 @@ def _device(parts: list) -> torch.device:
 
 
 def _state_dicts(parts: list) -> list[tuple[dict, dict]]:
-    """Each part's model and optimizer state dicts, PyTorch's, by parameter name (sharded ones,
-    of --dp_size > 1, as DTensors). An optimizer that has not stepped yet gets its state made
-    here, so that a load has room for what the checkpoint holds."""
+    """Each part's model and optimizer state dicts by parameter name (DTensors with --dp_size);
+    an optimizer that has not stepped gets its state made, room for what a load brings."""
     return [get_state_dict(module, opt, options=BY_NAME) for module, opt in parts]
 
 
 def _state(parts: Parts, step: int, data: Mapping[str, int], layout: str | None = None,
            dicts: list[tuple[dict, dict]] | None = None) -> dict:
-    """What ``save`` writes: the parts' state dicts (``dicts``, or made now), the progress, and
-    with a ``layout`` this rank's random state."""
+    """What ``save`` writes: the state dicts, the progress, with a ``layout`` the random state."""
     parts = list(parts)
     dicts = _state_dicts(parts) if dicts is None else dicts
     model = {k: v for part_model, _ in dicts for k, v in part_model.items()}
@@ -121,11 +111,8 @@ def _state(parts: Parts, step: int, data: Mapping[str, int], layout: str | None 
 def save(root: str | os.PathLike, step: int, parts: Parts, data: Mapping[str, int],
          layout: str | None = None) -> Path:
     """Every rank calls this after optimizer step ``step``; returns the checkpoint's directory.
-
-    ``data``: the value of each of DATA_FLAGS, so that a resume can tell it reads the same stream.
-    ``layout``: a description of the process layout (world size, schedule, ...); with it every
-    rank's random state is saved too, for a resume in the same layout.
-    """
+    ``data``: each of DATA_FLAGS; ``layout`` (world size, schedule, ...): with it every rank's
+    random state is saved too, for a resume in the same layout."""
     path = step_dir(root, step)
     rank0 = not _distributed() or dist.get_rank() == 0
     if rank0:
@@ -252,8 +239,8 @@ def incompatibility(path: str | os.PathLike, model_args: ModelArgs, optimizer: s
 
 def resume_path(resume: str | None, root: str | None, model_args: ModelArgs, optimizer: str,
                 data: Mapping[str, int]) -> str | None:
-    """The checkpoint that ``--resume`` names (``"latest"``: the newest complete one under
-    ``root``, None if there is none), once checked; ValueError (one line) if it cannot load."""
+    """The checkpoint ``--resume`` names (``"latest"``: the newest complete one under ``root``,
+    or None), once checked; ValueError (one line) if it cannot load."""
     if resume is None:
         return None
     path = latest_complete(root) if resume == "latest" else resume
@@ -267,12 +254,9 @@ def resume_path(resume: str | None, root: str | None, model_args: ModelArgs, opt
 
 
 def same_on_every_rank(path: str | None) -> str | None:
-    """``path``, once every rank of the process group has checked it chose the same one.
-
-    Each rank picks the newest complete checkpoint itself (under torchrun, each restarted
-    worker does); on a file system that shows a new marker to one machine before another,
-    ranks that resumed from different steps would go on as one job, silently wrong.
-    """
+    """``path``, once every rank has checked it chose the same one: each picks the newest
+    itself, and a file system that shows a marker to one machine first would otherwise
+    let ranks resume from different steps, silently wrong."""
     if not _distributed():
         return path
     chosen: list[str | None] = [None] * dist.get_world_size()
@@ -285,11 +269,8 @@ def same_on_every_rank(path: str | None) -> str | None:
 
 def load(path: str | os.PathLike, parts: Parts, layout: str | None = None) -> int:
     """Load the weights and optimizer state of ``parts``' parameters; return the step saved.
-
-    The random state too, if the checkpoint was saved in this ``layout`` (see save); with
-    another layout (or none saved) each rank is seeded from the seed, the step and its rank.
-    Works in a process group (every rank calls it) and in a plain process without one.
-    """
+    The random state too, if saved in this ``layout``; else each rank is seeded from the
+    seed, the step and its rank. Works in a process group and in a plain process."""
     path = Path(path)
     parts = list(parts)
     saved = _metadata(path)

@@ -1,12 +1,6 @@
-"""The command line beyond the tutorial: the extras' flags and every check made before launch.
-
-``main.build_parser`` holds the tutorial's own knobs (schedule, split, micro-batches, sizes);
-``add_extra_args`` adds the flags of what is layered on it (--stage_layers, --dp_size,
---loss_log, --trace, checkpoints). ``check_args`` refuses, in one line and before any
-process starts, what the ranks would fail on later. What the flags decide in a rank is
-here too: where it runs (``placement``, checked before launch and used by the rank), the
-model's sizes, and what a checkpoint records of the run (``data_settings_from``,
-``layout_from``).
+"""The extras' flags (``add_extra_args``), and ``check_args``: one line and exit 2, before any
+process starts, for what the ranks would fail on later. Also what the flags decide in a
+rank: ``placement``, the model's sizes, what a checkpoint records of the run.
 """
 from __future__ import annotations
 
@@ -18,9 +12,8 @@ import torch
 import distkit
 from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem
 from pipelining_transformer import checkpoint
-from pipelining_transformer.layout import StageLayout
+from pipelining_transformer.layout import StageLayout, stage_bounds
 from pipelining_transformer.model import ModelArgs
-from pipelining_transformer.schedules import stage_bounds
 
 
 def schedule_name(text: str) -> str:
@@ -50,17 +43,14 @@ def layer_count(text: str) -> float | str:
 def add_extra_args(parser: argparse.ArgumentParser) -> None:
     """The flags of the extras; none of them is on by default."""
     parser.add_argument("--stage_layers", type=layer_count, nargs="+", default=None, metavar="N",
-                        help="layers of each stage, in stage order (default: as even as can be); "
-                             "the last stage also computes the output projection and the loss. "
-                             "4.5 3.5 cuts layer 4 between its attention and feed-forward; "
-                             "'auto' measures every piece on the ranks and picks the split whose "
-                             "slowest stage is fastest (balance.py)")
+                        help="layers of each stage (default: as even as can be); 4.5 3.5 cuts "
+                             "layer 4 between its attention and feed-forward; 'auto' measures "
+                             "and picks the split whose slowest stage is fastest (balance.py)")
     parser.add_argument("--dp_size", type=int, default=1, metavar="D",
-                        help="pipeline replicas (data parallelism): world_size / D ranks each, "
-                             "every replica trains on 1/D of each batch")
+                        help="pipeline replicas of world_size / D ranks, each training on 1/D "
+                             "of every batch")
     parser.add_argument("--loss_log", default=None, metavar="PATH",
-                        help='append {"step": N, "loss": L} per step to PATH, one JSON line each, '
-                             "the loss at full precision (a resumed run continues the file)")
+                        help='append {"step": N, "loss": L} to PATH each step (full precision)')
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="write each rank's torch.profiler trace here, rank<r>.json (Chrome "
                              "trace events with the schedule's own spans; opens in Perfetto)")
@@ -126,9 +116,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """Every rank a GPU of its own and NCCL, or every rank of the machine on the CPU with
-    gloo: never the tutorial's ``cuda:<rank>`` by fiat, never two ranks on one GPU. Checked
-    for every rank before launch; ``run_worker`` hands it to ``main.init_distributed``."""
+    """Every rank a GPU of its own and NCCL, or all on the CPU with gloo (never the tutorial's
+    ``cuda:<rank>`` by fiat). Checked before launch; ``run_worker`` hands it to the rank."""
     return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
 
 
@@ -158,9 +147,8 @@ def data_settings_from(args: argparse.Namespace) -> dict[str, int]:
 
 
 def layout_from(args: argparse.Namespace, layout: StageLayout, device: torch.device) -> str:
-    """What fixes each rank's random draws (its stages, micro-batches, device): a resume in
-    the same layout gets every rank's random state back, so its dropout masks too. The
-    split is the stage layout's (the one auto chose, with --stage_layers auto)."""
+    """What fixes each rank's random draws (stages, micro-batches, device): a resume in the
+    same layout gets every rank's random state back (the split auto chose, with auto)."""
     layers = f" stage_layers={','.join(f'{n:g}' for n in layout.chosen)}" if layout.chosen else ""
     return (f"world_size={args.world_size} dp_size={args.dp_size} "
             f"schedule={args.schedule} split={args.split}{layers} "

@@ -1,52 +1,44 @@
 """What is layered on the tutorial's code: one hook per phase, each holding every extra of it.
 
-  build  ``on_build(stages, args, env)``: ``main.build_rank`` hands it the stages the
-         tutorial's split built, and goes on with what it returns: the stages worked
-         around for gloo (workarounds.py) and, with --dp_size, sharded over the replicas
-         (dp.py), each replica drawing dropout masks of its own
-  start  ``Hooks(args, pp, callbacks_for)``: ``main.train`` makes it once the rank is
-         built: it says where the stages are, resumes (--resume: ``first_step``), starts
-         torch.profiler (--trace) and the step callbacks the flags ask for (callbacks.py)
-  step   ``Hooks.on_step_end(step, loss)``: after each step of ``main.train``
-  end    ``Hooks.on_train_end()``: the callbacks' last word; the run's summary, which
-         ``main.run_worker`` returns to the launcher and ``exit_status`` judges
-
-Without a flag, each hook does only what every run needs: the gloo workarounds, the summary.
+  build  ``on_build(stages, args, env)``, in ``main.build_rank``: the stages worked around
+         for gloo (workarounds.py) and, with --dp_size, sharded over the replicas (dp.py)
+  start  ``Hooks(args, pp, callbacks_for)``, in ``main.train``: logs where the stages are,
+         resumes (--resume: ``first_step``), starts torch.profiler (--trace) and the step
+         callbacks the flags ask for: ``LossLog`` (--loss_log), ``Checkpoints``
+         (--checkpoint_dir) and, always, ``Summary`` (steps, seconds, peak memory, losses)
+  step   ``Hooks.on_step_end(step, loss)``: after each step
+  end    ``Hooks.on_train_end()``: the run's summary, which ``main.run_worker`` returns to
+         the launcher and ``exit_status`` judges
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
+import resource
 import sys
+import time
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.pipelining import PipelineStage
 
 import distkit
 from pipelining_transformer import checkpoint, dp, workarounds
-from pipelining_transformer.callbacks import StepCallback, Summary, callbacks_for, parts_of
-from pipelining_transformer.cli import layout_from
+from pipelining_transformer.cli import data_settings_from, layout_from
+
+if TYPE_CHECKING:  # main imports this module
+    from pipelining_transformer.main import DistEnv
 
 log = logging.getLogger(__name__)
 
 
-class Replica(Protocol):
-    """A rank's place among the pipeline replicas: ``main.DistEnv`` (a protocol, so that this
-    module needs no main, which imports it)."""
-
-    dp_size: int
-    mesh: DeviceMesh | None
-
-    @property
-    def dp_rank(self) -> int: ...
-
-
-def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: Replica) -> list[PipelineStage]:
+def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: DistEnv) -> list[PipelineStage]:
     """The build phase's extras, on the stages the tutorial's split built."""
     for stage in stages:
         workarounds.apply(stage)  # torch's pipelining on gloo (workarounds.py)
@@ -63,7 +55,7 @@ class Hooks:
     """The start, step and end hooks of ``main.train`` (see the module docstring)."""
 
     def __init__(self, args: argparse.Namespace, pp,
-                 callbacks_for: Callable[[argparse.Namespace, object], list[StepCallback]] = callbacks_for
+                 callbacks_for: Callable[[argparse.Namespace, object], list[StepCallback]]
                  ) -> None:
         self.args, self.pp = args, pp
         replica = f", replica {pp.dp_rank} of {pp.dp_size}" if pp.dp_size > 1 else ""
@@ -115,3 +107,108 @@ def exit_status(results: dict) -> int:
         print(f"The loss did not fall: {losses[0][0]:.4f} -> {losses[0][-1]:.4f}", file=sys.stderr)
         return 1
     return 0
+
+
+class StepCallback:
+    """What ``Hooks`` calls: before the first step (``first_step``: 0, or where a resume goes
+    on), after every step (``step`` 0-based, ``loss`` on the rank that reports it, else
+    None), and after the last."""
+
+    def on_train_begin(self, first_step: int) -> None:
+        pass
+
+    def on_step_end(self, step: int, loss: float | None) -> None:
+        pass
+
+    def on_train_end(self) -> None:
+        pass
+
+
+def parts_of(pp) -> list:
+    """Each stage's module with its optimizer: what a checkpoint holds."""
+    return [(s.submod, opt) for s, opt in zip(pp.stages, pp.optimizers)]
+
+
+class LossLog(StepCallback):
+    """--loss_log: appended to, so that a resumed run goes on with the file of the run it resumes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as cli.check_args allowed
+        self.file = open(path, "a")
+
+    def on_step_end(self, step: int, loss: float | None) -> None:
+        if loss is not None:
+            try:  # one write of a whole line, flushed: a killed run leaves only whole lines
+                self.file.write(json.dumps({"step": step + 1, "loss": loss}) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk: say where and when, not only errno
+                raise OSError(e.errno, f"--loss_log {self.path}: cannot write step {step + 1}: "
+                                       f"{e.strerror}") from e
+
+    def on_train_end(self) -> None:
+        self.file.close()
+
+
+class Checkpoints(StepCallback):
+    """--checkpoint_dir: save every --checkpoint_every steps and after the last (a collective)."""
+
+    def __init__(self, args: argparse.Namespace, pp) -> None:
+        self.args, self.parts = args, parts_of(pp)
+        self.layout = layout_from(args, pp.layout, pp.device)
+
+    def on_step_end(self, step: int, loss: float | None) -> None:
+        done, every = step + 1, self.args.checkpoint_every
+        if done == self.args.steps or every and done % every == 0:
+            try:
+                path = checkpoint.save(self.args.checkpoint_dir, done, self.parts,
+                                       data_settings_from(self.args), self.layout)
+            # a full disk, a directory taken away: where, when, what is left (DCP's
+            # CheckpointException is a BaseException, the others' errors gathered on each rank)
+            except (Exception, CheckpointException) as e:
+                previous = checkpoint.latest_complete(self.args.checkpoint_dir)
+                raise RuntimeError(f"--checkpoint_dir {self.args.checkpoint_dir}: cannot save step "
+                                   f"{done} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); the newest complete checkpoint "
+                                   f"is {previous or 'none'} (--resume goes on from it)") from e
+            log.info(f"checkpoint {path} complete")
+
+
+class Summary(StepCallback):
+    """Always on: the run's losses, time and peak memory, logged at the end and returned."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.losses: list[float] = []
+        self.seconds = self.peak_mb = 0.0
+
+    def on_train_begin(self, first_step: int) -> None:
+        self.steps, self.first = self.args.steps - first_step, first_step
+        self.start = time.perf_counter()
+
+    def on_step_end(self, step: int, loss: float | None) -> None:
+        if loss is not None:
+            self.losses.append(loss)
+
+    def on_train_end(self) -> None:
+        self.seconds = time.perf_counter() - self.start
+        # peak resident memory of this process (Linux reports KiB)
+        self.peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        text = f"{self.steps} steps in {self.seconds:.1f} s, peak memory {self.peak_mb:.0f} MB"
+        if self.losses:
+            text += f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}"
+        log.info(text)
+
+    def result(self) -> dict:
+        """What ``main.run_worker`` returns to the launcher (``exit_status`` reads it)."""
+        return {"losses": self.losses or None, "seconds": self.seconds, "peak_mb": self.peak_mb,
+                "first_step": self.first}
+
+
+def callbacks_for(args: argparse.Namespace, pp) -> list[StepCallback]:
+    """The callbacks the flags ask for (``Hooks`` adds ``Summary`` itself)."""
+    callbacks: list[StepCallback] = []
+    if args.loss_log and pp.reports:
+        callbacks.append(LossLog(args.loss_log))
+    if args.checkpoint_dir:
+        callbacks.append(Checkpoints(args, pp))
+    return callbacks

@@ -1,42 +1,46 @@
-"""The stage layout: one value saying which layers each stage owns and which stages this rank runs.
+"""The stage layout: which layers (or halves) each stage owns, which stages this rank runs.
 
-In the tutorial it is two globals, ``stage_index = rank`` and ``num_stages = world_size``,
-and two hard-coded cuts (``range(4, 8)`` for the manual split, ``"layers.4"`` for the
-tracer). Here the layers are divided among any number of stages, in halves if asked
-(``--stage_layers 4.5 3.5``, balance.py), or where the measured costs say
-(``--stage_layers auto``); the multi-stage schedules give each rank two stages
-(schedules.py). ``stage_layout`` works all of that out once per run, the measurement of
-``auto`` included, and ``main.build_rank`` hands the value down: to the manual split (each
-stage's layer range, its halves), to the tracer (where it cuts), and, through the rank, to
-what records the layout (checkpoints). Nothing recomputes it.
+The tutorial's ``stage_index = rank``, ``num_stages = world_size`` and its hard-coded cuts
+(``range(4, 8)``, ``"layers.4"``), for any number of stages: even, ``--stage_layers 4.5
+3.5`` or ``auto`` (balance.py), two per rank in the multi-stage schedules. ``stage_layout``
+works it out once per run; ``main.build_rank`` hands it to the splits and the checkpoints.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING
 
 from distkit.schedules import num_stages_for, stage_indices_for
 from pipelining_transformer import balance
 from pipelining_transformer.model import Transformer
-from pipelining_transformer.schedules import stage_bounds
+
+if TYPE_CHECKING:  # main imports this module
+    from pipelining_transformer.main import DistEnv
 
 
-class Place(Protocol):
-    """Where a rank sits: ``main.DistEnv`` (a protocol, so that this module needs no main)."""
-
-    @property
-    def pp_rank(self) -> int: ...
-
-    @property
-    def pp_size(self) -> int: ...
-
-    dp_size: int
-    device: torch.device
+def stage_bounds(n_layers: int, num_stages: int, sizes: Sequence[float] | None = None
+                 ) -> list[tuple[float, float]]:
+    """Where each stage starts and ends, in layers: ``sizes[s]`` layers for stage s (halves
+    allowed, at least 0.5, the last at least 0), or as even as can be, earlier stages taking
+    the remainder."""
+    if sizes is None:
+        if not 1 <= num_stages <= n_layers:
+            raise ValueError(f"cannot give {num_stages} stages at least one of {n_layers} layers each")
+        per, extra = divmod(n_layers, num_stages)
+        sizes = [per + (s < extra) for s in range(num_stages)]
+    elif (len(sizes) != num_stages or sum(sizes) != n_layers or any(2 * n % 1 for n in sizes)
+          or min(sizes[:-1], default=1) < 0.5 or sizes[-1] < 0):
+        raise ValueError(f"{num_stages} stages need {num_stages} layer counts (halves allowed, "
+                         f"at least 0.5, the last at least 0) that add up to {n_layers}, "
+                         f"got {' '.join(f'{n:g}' for n in sizes)}")
+    bounds = [0.0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    return list(zip(bounds, bounds[1:]))
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class StageLayout:
         return list(zip(models, self.stage_indices))
 
 
-def stage_layout(args: argparse.Namespace, place: Place, model: Transformer) -> StageLayout:
+def stage_layout(args: argparse.Namespace, place: DistEnv, model: Transformer) -> StageLayout:
     """The layout of this run on this rank. With --stage_layers auto it measures ``model``'s
     pieces on the ranks first (a collective: every rank calls this, and all get one answer)."""
     num_stages = num_stages_for(args.schedule, place.pp_size)

@@ -19,13 +19,10 @@ One rank per process under torchrun, as the tutorial launches it:
 The model is the tutorial's (dim 512, 8 layers, 8 heads, vocabulary 10000); the batch is
 CPU-sized (8 x 16 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell.
 
-Beyond the tutorial, each behind its flag: --loss_log, --trace DIR (torch.profiler), --checkpoint_dir/
---checkpoint_every/--resume (and torchrun --max-restarts), --dp_size D (FSDP2 over a
-("dp", "pp") mesh), --stage_layers (halves, auto), every schedule PyTorch offers
-(docs/pipelining_transformer.md). None of it is written out in the functions above: the
-stage layout is one value (layout.py), and the rest enters by one named hook per phase:
-the mesh (dp.py), ``extras.on_build`` on the built stages, and ``extras.Hooks`` at the
-start, after each step and at the end of ``train`` (callbacks.py).
+Beyond the tutorial, each behind its flag (docs/pipelining_transformer.md): every schedule
+PyTorch offers, --stage_layers (layout.py, balance.py), --dp_size (dp.py), --loss_log,
+--trace (torch.profiler), checkpoints (checkpoint.py). They enter the tutorial's functions
+by one named hook per phase: the mesh, ``extras.on_build`` and ``extras.Hooks``.
 """
 from __future__ import annotations
 
@@ -43,8 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
 
 import distkit
-from distkit.schedules import SCHEDULES
-from pipelining_transformer import callbacks, dp, extras, schedules
+from distkit.schedules import SCHEDULES, is_multi_stage
+from pipelining_transformer import dp, extras
 from pipelining_transformer.cli import add_extra_args, check_args, model_args_from, placement, schedule_name
 from pipelining_transformer.layout import StageLayout, stage_layout
 from pipelining_transformer.model import (ModelArgs, Transformer, make_optimizer, synthetic_batch,
@@ -56,8 +53,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class DistEnv:
     """The tutorial's globals (rank, device, pp_group) as one value, and this rank's place on
-    the ("dp", "pp") mesh: replica ``dp_rank`` of ``dp_size`` (1 unless --dp_size). The
-    tutorial's other two, ``stage_index`` and ``num_stages``, are the stage layout (layout.py)."""
+    the ("dp", "pp") mesh (``dp_size`` 1 unless --dp_size). ``stage_index`` and ``num_stages``
+    are the stage layout's (layout.py)."""
 
     rank: int
     world_size: int
@@ -79,8 +76,7 @@ class DistEnv:
         return self.rank // self.pp_size
 
     @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        """The ranks holding the same stages as this one, in the other replicas."""
+    def dp_group(self) -> dist.ProcessGroup | None:  # this rank's stages in the other replicas
         return self.mesh["dp"].get_group() if self.mesh is not None else None
 
 
@@ -140,8 +136,9 @@ def tracer_model_split(model: Transformer, example_input_microbatch: torch.Tenso
 
 def build_schedule(stages: list[PipelineStage], name: str, n_microbatches: int):
     """The tutorial's ``ScheduleGPipe``, or the --schedule the user named, built the same way."""
-    if name != "GPipe":  # 1F1B, Interleaved1F1B, ZBVZeroBubble, ...: schedules.py
-        return schedules.build(name, stages, n_microbatches, tokenwise_loss_fn)
+    if name != "GPipe":  # 1F1B, Interleaved1F1B, ZBVZeroBubble, ...: a multi-stage one drives
+        stage_arg = stages if is_multi_stage(name) else stages[0]  # all of this rank's stages
+        return SCHEDULES[name](stage_arg, n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
     return ScheduleGPipe(stages[0], n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
 
 
@@ -181,9 +178,8 @@ class PipelineRank:
             opt.step()
 
     def batch_loss(self, losses: list[torch.Tensor] | None, step: int) -> float | None:
-        """The batch's mean loss where the last stage is (None elsewhere): equal micro-batches
-        make it the mean of their means (and, with --dp_size, of the replicas' means: a
-        collective of the last-stage ranks). A loss that is not finite ends the run."""
+        """The batch's mean loss where the last stage is (None elsewhere), over the replicas
+        with --dp_size (a collective); a loss that is not finite ends the run."""
         if losses is None:
             return None
         loss = torch.stack(losses).detach().mean()
@@ -215,7 +211,7 @@ def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
     return PipelineRank(stages, schedule, optimizers, env, layout)
 
 
-def train(args: argparse.Namespace, env: DistEnv, callbacks_for=callbacks.callbacks_for) -> dict:
+def train(args: argparse.Namespace, env: DistEnv, callbacks_for=extras.callbacks_for) -> dict:
     """The training loop: the tutorial's step, --steps times; the extras enter by three hooks."""
     pp = build_rank(args, env)
     hooks = extras.Hooks(args, pp, callbacks_for)  # start: --resume, the flags' callbacks

@@ -1,9 +1,5 @@
-"""Workarounds for torch.distributed.pipelining on gloo, applied to stages after they are built.
-
-Neither is part of the tutorial: the build hook ``extras.on_build`` calls ``apply`` on every
-stage that ``manual_model_split`` / ``tracer_model_split`` returned, so the tutorial's functions stay
-as the tutorial writes them. Both are needed on the CPU (gloo); on NCCL they do no harm.
-"""
+"""Workarounds for torch.distributed.pipelining on gloo, applied by ``extras.on_build`` to
+every built stage, so the tutorial's functions stay as it writes them; harmless on NCCL."""
 from __future__ import annotations
 
 import torch

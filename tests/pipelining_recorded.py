@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import torch
 
-from pipelining_transformer import callbacks
+from pipelining_transformer import extras
 from pipelining_transformer.main import train
 
 
-class Recorder(callbacks.StepCallback):
+class Recorder(extras.StepCallback):
     """What a step of ``main.train`` left on this rank: the micro-batch losses the schedule
     returned, the batch loss computed from them, the loss handed to the callbacks (the one
     the run reports, None elsewhere), and each parameter's gradient and value after the step.
@@ -72,9 +72,9 @@ def train_recorded(args: argparse.Namespace, env, whole=_copy) -> dict:
     logger.addHandler(said)
     recorders = []
 
-    def with_recorder(a: argparse.Namespace, pp) -> list[callbacks.StepCallback]:
+    def with_recorder(a: argparse.Namespace, pp) -> list[extras.StepCallback]:
         recorders.append(Recorder(pp, whole))
-        return [*callbacks.callbacks_for(a, pp), recorders[-1]]
+        return [*extras.callbacks_for(a, pp), recorders[-1]]
 
     loss_log = os.path.join(tempfile.mkdtemp(), "losses.jsonl")
     try:

@@ -23,9 +23,8 @@ from distkit.schedules import SCHEDULES, stage_indices_for
 from pipelining_transformer.main import init_distributed, main, model_args_from, placement
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 from pipelining_transformer.balance import HalfLayer, choose_split
-from pipelining_transformer.layout import StageLayout, stage_layout
+from pipelining_transformer.layout import StageLayout, stage_bounds, stage_layout
 from pipelining_transformer.model import ModelArgs
-from pipelining_transformer.schedules import stage_bounds
 
 # dropout 0 so that a pipelined run and one process compute the same numbers; SGD so
 # that the step is linear in the gradient (Adam's first step turns rounding noise in

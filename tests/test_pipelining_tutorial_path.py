@@ -69,7 +69,9 @@ ACCOUNTED: dict[str, tuple[str, str]] = {
     "return stages": (TUTORIAL, "return stage"),
     # build_schedule
     "if name != 'GPipe':": (TEXT, TUTORIAL_TEXT[0]),
-    "return schedules.build(name, stages, n_microbatches, tokenwise_loss_fn)": (TEXT, TUTORIAL_TEXT[0]),
+    "stage_arg = stages if is_multi_stage(name) else stages[0]": (TEXT, TUTORIAL_TEXT[0]),
+    "return SCHEDULES[name](stage_arg, n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)":
+        (TEXT, TUTORIAL_TEXT[0]),
     "return ScheduleGPipe(stages[0], n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)":
         (TUTORIAL, "schedule = ScheduleGPipe(stage, n_microbatches=num_microbatches, loss_fn=tokenwise_loss_fn)"),
     # build_rank
