@@ -7,19 +7,18 @@ Every example's ``main()`` writes the tutorial's launch itself::
 
 ``torch.multiprocessing.spawn`` starts the processes, waits for them and ends the others
 when one fails. ``Job`` adds what it does not give, each piece for the reason beside it:
-- the rendezvous store, hosted here on 127.0.0.1 and an OS-chosen port: c10d's own server
-  listens on every interface and needs its port chosen in advance. The ranks use it as
-  torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE``), so ``init_rpc``/``init_process_group``
-  with ``env://`` behave the same under both launchers, and every group of a job shares one
-  port under its own key prefix;
-- torchrun's file timer server: it kills a rank frozen whole (SIGSTOP), which no peer can end;
+- the rendezvous store on 127.0.0.1 and an OS-chosen port (c10d's own listens on every
+  interface, on a port chosen in advance), used as torchrun's agent's store, so ``env://``
+  behaves the same under both launchers;
+- torchrun's file timer server: it kills a rank frozen whole (SIGSTOP), which no peer can
+  end; ``_watch_stopped`` backs it up (a rank stopped while writing to the timer's FIFO
+  blocks the server's ``readline`` for good);
 - each rank's result, in a file: ``mp.spawn`` returns nothing;
-- the report of the failure that came first: ``mp.spawn`` reports the first exit it sees, and a
-  rank that raises can exit after the peer whose connection it closed; a device the job cannot
-  run with is one line and exit 2, as for a bad flag;
+- the report of the failure that came first (``mp.spawn`` reports the first exit it sees);
+  a device the job cannot run with is one line and exit 2, as for a bad flag;
 - Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running;
-- a stopped rank (SIGSTOP) once another has exited: ``mp.spawn`` gives it 30 s to take a
-  SIGTERM it cannot take until continued, so the job continues it (``_continue_stopped``).
+- a stopped rank once another has exited: ``mp.spawn`` gives it 30 s to take a SIGTERM it
+  cannot take until continued, so the job continues it (``_watch_stopped``).
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) ``job.torchrun``
 is true and ``job.run`` runs this process's rank.
@@ -56,6 +55,7 @@ from .worker import Worker, die_with_parent, exit_now, run_rank
 # mp.spawn blames the first exit it sees (seen in CI: ddp_rpc's SIGKILLed parameter server
 # reported as the master's RPC error). test_a_rank_killed_as_its_peer_fails_is_the_root_cause
 PEER_GRACE = 1.0
+STOPPED_POLL = 0.5  # seconds between the job's looks at its ranks' states
 
 
 def parse_ranks(spec: str | None, world_size: int) -> list[int]:
@@ -73,11 +73,8 @@ def parse_ranks(spec: str | None, world_size: int) -> list[int]:
 
 
 def local_workers(args: argparse.Namespace) -> list[Worker]:
-    """The ``Worker`` of every process this command will run on this machine (before launch).
-
-    Under torchrun that is this process alone; spawned, one per rank of ``--ranks``. Ports
-    are not known yet (0): enough to decide devices, not to connect.
-    """
+    """The ``Worker`` of every process this command runs on this machine (torchrun: this one),
+    before launch: ports are not known yet (0), enough to decide devices, not to connect."""
     if under_torchrun():
         return [_torchrun_worker(args)]
     ranks = parse_ranks(args.ranks, args.world_size)
@@ -113,7 +110,7 @@ class Rank:
                           LOCAL_WORLD_SIZE=str(len(self.ranks)), TORCHELASTIC_USE_AGENT_STORE="True",
                           **{TIMER_FILE: os.path.join(self.job_dir, "timer")})
         worker = Worker(rank, args.world_size, index, len(self.ranks), self.addr, self.port, args.device)
-        Path(self.job_dir, f"{rank}.pid").write_text(str(os.getpid()))  # for _continue_stopped
+        Path(self.job_dir, f"{rank}.pid").write_text(str(os.getpid()))  # for _watch_stopped
         try:
             result = run_rank(self.fn, worker, args,
                               failure_file=os.path.join(self.job_dir, f"{rank}.failed"))
@@ -141,6 +138,7 @@ class Job:
         self.port = args.master_port or 0
         self.results: dict[int, Any] = {}
         self.timed_out: set[int] = set()  # pids this job's timer killed (pids get reused)
+        self.hang_timeout = getattr(args, "hang_timeout", 0)  # 0: no watchdog, no timer
 
     def __enter__(self) -> Job:
         if self.torchrun:
@@ -164,7 +162,7 @@ class Job:
         # mp.spawn logs a warning for each rank it stops after a failure: the report says so once
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         self._done = threading.Event()
-        threading.Thread(target=self._continue_stopped, daemon=True, name="distkit-job").start()
+        threading.Thread(target=self._watch_stopped, daemon=True, name="distkit-job").start()
         return self
 
     def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> Rank:
@@ -201,21 +199,29 @@ class Job:
             shutil.rmtree(self.dir, ignore_errors=True)
         return False
 
-    def _continue_stopped(self) -> None:
-        """Once a rank has exited, send SIGCONT to any rank that is stopped: the SIGTERM that
-        mp.spawn sends it after a failure then ends it at once, not 30 s later (a rank a peer
-        lost to SIGSTOP, whose failure came as an RPC timeout rather than a hang report)."""
-        while not self._done.wait(0.5):
+    def _watch_stopped(self) -> None:
+        """Once a rank has exited, SIGCONT the stopped ones, so that mp.spawn's SIGTERM ends
+        them at once. Before that, SIGKILL a rank stopped for longer than its file timer
+        allows (counted in polls: time this launcher is stopped itself, Ctrl+Z, is not)."""
+        polls: dict[int, int] = {}  # pid -> polls in a row that found it stopped
+        while not self._done.wait(STOPPED_POLL):
             states = {}
             for path in self.dir.glob("*.pid"):
                 try:
                     states[int(path.read_text())] = _state(int(path.read_text()))
                 except ValueError:  # half written
                     continue
+            stopped = [pid for pid, (state, parent) in states.items()
+                       if state in ("T", "t") and parent == os.getpid()]
+            polls = {pid: polls.get(pid, 0) + 1 for pid in stopped}
             if any(state in ("Z", "X", None) for state, _ in states.values()):
-                for pid, (state, parent) in states.items():
-                    if state in ("T", "t") and parent == os.getpid():
-                        os.kill(pid, signal.SIGCONT)
+                for pid in stopped:
+                    os.kill(pid, signal.SIGCONT)
+            elif self.hang_timeout:
+                limit = self.hang_timeout + TIMER_MARGIN + 5  # the timer's, and then some
+                for pid in [p for p, n in polls.items() if n * STOPPED_POLL > limit]:
+                    self.timed_out.add(pid)
+                    os.kill(pid, signal.SIGKILL)
 
     def _timer_event(self, name: str, request: Any) -> None:
         if name == "timer expired" and request is not None:
@@ -256,8 +262,7 @@ def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Names
 
 
 def _state(pid: int) -> tuple[str | None, int | None]:
-    """A process's state letter in /proc (T: stopped, Z: exited, not reaped) and its parent's
-    pid; (None, None) once it is gone."""
+    """A process's state in /proc (T: stopped, Z: exited) and its parent's pid, or Nones."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:

@@ -21,24 +21,33 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 import distkit
 from pipelining_transformer import checkpoint, dp, workarounds
 from pipelining_transformer.cli import data_settings_from, layout_from
 
-if TYPE_CHECKING:  # main imports this module
-    from pipelining_transformer.main import DistEnv
+
+
+class Replica(Protocol):
+    """``main.DistEnv`` as this module sees it (main imports this module)."""
+
+    dp_size: int
+    mesh: DeviceMesh | None
+
+    @property
+    def dp_rank(self) -> int: ...
 
 log = logging.getLogger(__name__)
 
 
-def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: DistEnv) -> list[PipelineStage]:
+def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: Replica) -> list[PipelineStage]:
     """The build phase's extras, on the stages the tutorial's split built."""
     for stage in stages:
         workarounds.apply(stage)  # torch's pipelining on gloo (workarounds.py)

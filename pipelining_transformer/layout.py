@@ -12,14 +12,27 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import torch
 
 from distkit.schedules import num_stages_for, stage_indices_for
 from pipelining_transformer import balance
 from pipelining_transformer.model import Transformer
 
-if TYPE_CHECKING:  # main imports this module
-    from pipelining_transformer.main import DistEnv
+
+
+class Place(Protocol):
+    """``main.DistEnv`` as this module sees it (main imports this module)."""
+
+    dp_size: int
+    device: torch.device
+
+    @property
+    def pp_rank(self) -> int: ...
+
+    @property
+    def pp_size(self) -> int: ...
 
 
 def stage_bounds(n_layers: int, num_stages: int, sizes: Sequence[float] | None = None
@@ -88,7 +101,7 @@ class StageLayout:
         return list(zip(models, self.stage_indices))
 
 
-def stage_layout(args: argparse.Namespace, place: DistEnv, model: Transformer) -> StageLayout:
+def stage_layout(args: argparse.Namespace, place: Place, model: Transformer) -> StageLayout:
     """The layout of this run on this rank. With --stage_layers auto it measures ``model``'s
     pieces on the ranks first (a collective: every rank calls this, and all get one answer)."""
     num_stages = num_stages_for(args.schedule, place.pp_size)

@@ -17,12 +17,8 @@ two GPUs the shards use cuda:0 and cuda:1, with one they share cuda:0):
 One rank per process under torchrun works too:
     torchrun --nproc_per_node 3 rpc_pipeline_resnet/main.py
 Prints "number of splits = N, execution time = T" for each N, as the tutorial does, and
-each batch's loss. Each rank's torch.profiler trace (every thread; opens in Perfetto):
-    python rpc_pipeline_resnet/main.py --splits 1 4 --trace traces/
-
-The tutorial's model is in model.py, its training loop (``run_master``) and ``run_worker``
-here. Speed-ups beside the machine's bound: scripts/bench_rpc_pipeline_resnet.py, which
-attaches its meters to ``run_master``'s ``on_batch`` from outside.
+each batch's loss; --trace DIR writes each rank's torch.profiler trace (every thread).
+The model is in model.py; speed-ups beside their bound: scripts/bench_rpc_pipeline_resnet.py.
 """
 from __future__ import annotations
 
@@ -58,14 +54,12 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image_size", type=int, default=128, help="image width and height")
     parser.add_argument("--num_batches", type=int, default=3, help="timed batches per run")
     parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed batches first (memory and oneDNN set-up would otherwise "
-                             "slow down whichever run comes first)")
+                        help="untimed batches first (set-up would slow whichever run is first)")
     parser.add_argument("--num_classes", type=int, default=NUM_CLASSES, help="classes (fc outputs)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     parser.add_argument("--trace", default=None, metavar="DIR",
-                        help="write each rank's torch.profiler trace here, rankN.json (Chrome "
-                             "trace events, every thread; opens in Perfetto)")
+                        help="each rank's torch.profiler trace, DIR/rankN.json (Perfetto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,21 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def feature_size(image_size: int, halvings: int) -> int:
-    """Height (= width) after conv1, maxpool, layer2, layer3, layer4 (in that order, each
-    halving and rounding up) have run ``halvings`` of them."""
+    """Height (= width) after ``halvings`` of conv1, maxpool, layer2, layer3, layer4."""
     size = image_size
     for _ in range(halvings):
         size = (size - 1) // 2 + 1
     return size
 
 
-def final_feature_size(image_size: int) -> int:
-    """Height (= width) of layer4's output."""
-    return feature_size(image_size, 5)
-
-
 def check_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """One line and exit 2 for a bad value of ``add_batch_args``'s flags."""
     for name in ("batch_size", "image_size", "num_batches", "num_classes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -102,7 +89,7 @@ def check_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             parser.error(f"--splits values must be in 1..{args.batch_size} (--batch_size), got {n}")
     smallest = args.batch_size // max(args.splits)
     in_layer3 = smallest * feature_size(args.image_size, 4) ** 2
-    in_layer4 = smallest * final_feature_size(args.image_size) ** 2
+    in_layer4 = smallest * feature_size(args.image_size, 5) ** 2
     if in_layer3 < 4 or in_layer4 < 2:
         # BatchNorm in training mode normalises each channel over the micro-batch's values: one
         # value has no variance, and with two in layer3 and again in layer4 the gradients blow
@@ -120,23 +107,17 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """The master: the CPU. Shard i (rank i + 1): cuda:i with two GPUs on its machine, both
-    shards on cuda:0 with one, the CPU with none (what ``run_master`` asks each worker)."""
+    """The master: the CPU. Shard i (rank i + 1): cuda:i with two GPUs, both on cuda:0 with
+    one, the CPU with none."""
     if worker.rank == 0:
         return distkit.Placement(torch.device("cpu"))
     return distkit.Placement(distkit.pick_device(args.device, worker.rank - 1))
 
 
 def shard_devices(args: argparse.Namespace) -> list[torch.device]:
-    """Each worker picks its shard's device itself: it knows its own GPUs (shard i gets
-    cuda:i with two GPUs, both share cuda:0 with one, CPU with none or --device cpu)."""
+    """Each worker picks its shard's device itself, knowing its own GPUs (see ``placement``)."""
     return [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i))
             for i, name in enumerate(WORKERS)]
-
-
-def no_extras(model: DistResNet50, i: int) -> contextlib.AbstractContextManager:
-    """``run_master``'s default ``on_batch``: the tutorial's loop and nothing else."""
-    return contextlib.nullcontext()
 
 
 @dataclass
@@ -155,13 +136,12 @@ class BatchClock:
 
 
 def run_master(num_split: int, args: argparse.Namespace,
-               on_batch: Callable[[DistResNet50, int], contextlib.AbstractContextManager] = no_extras,
+               on_batch: Callable[[DistResNet50, int], contextlib.AbstractContextManager]
+               = lambda model, i: contextlib.nullcontext(),  # the tutorial's loop alone
                ) -> list[float]:
-    """The tutorial's training loop: a fresh DistResNet50, ``num_split`` micro-batches a batch.
-
-    Trains --warmup + --num_batches batches and returns their losses. ``on_batch(model, i)``
-    is entered around each batch: ``BatchClock`` here, the benchmark's meters from outside.
-    """
+    """The tutorial's training loop: a fresh DistResNet50, ``num_split`` micro-batches a batch;
+    returns the losses. ``on_batch(model, i)`` is entered around each batch (``BatchClock``,
+    the benchmark's meters)."""
     # put the two model parts on worker1 and worker2 respectively; built from --seed, so
     # every split value starts from the same weights
     model = DistResNet50(num_split, WORKERS, shard_devices(args), num_classes=args.num_classes,
@@ -194,9 +174,8 @@ def run_master(num_split: int, args: argparse.Namespace,
 
 
 def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOptions:
-    # TensorPipe's shared-memory transport busy-polls, about 15% of a core per process even
-    # when idle (measured): on 2 cores that is time stolen from the shards. TCP over loopback
-    # ("uv") does not, and it is what runs between machines anyway.
+    # TensorPipe's shared-memory transport busy-polls (about 15 % of a core per idle process,
+    # measured); TCP ("uv") does not, and it is what runs between machines anyway.
     return rpc.TensorPipeRpcBackendOptions(num_worker_threads=128, rpc_timeout=args.rpc_timeout,
                                            _transports=["uv"])
 
@@ -206,14 +185,12 @@ def set_up_process(worker: distkit.Worker, args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed + worker.rank)
     distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
     if worker.rank != 0 and args.threads is None:
-        # the master only computes the loss: the two shards share this machine's cores
-        # (one thread each on 2 cores), so both can run at the same time
+        # the master only computes the loss: the two shards share the cores, so both can run
         torch.set_num_threads(distkit.threads_per_process(min(2, worker.local_world_size)))
 
 
 def timed(num_split: int, args: argparse.Namespace) -> dict:
-    """The tutorial's ``run_master(num_split)`` between two clock readings, less --warmup.
-    Returns the run: its split value, seconds and losses."""
+    """The tutorial's timed ``run_master(num_split)`` (less --warmup): split, seconds, losses."""
     clock = BatchClock(args.warmup)
     with record_function(f"number of splits = {num_split}"):  # a span in the --trace
         losses = run_master(num_split, args, on_batch=clock)
@@ -223,11 +200,8 @@ def timed(num_split: int, args: argparse.Namespace) -> dict:
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
-    """Rank 0 is the master and trains; ranks 1 and 2 host the shards and wait for its RPCs.
-
-    The master trains one fresh model per --splits value and returns (rank 0) one run per
-    value (``timed``). With --trace each rank is profiled, every thread (RPC's included).
-    """
+    """Rank 0, the master, trains a fresh model per --splits value and returns one run per
+    value (``timed``); ranks 1 and 2 host the shards and wait for its RPCs."""
     set_up_process(worker, args)
     options = rpc_backend_options(args)
     runs = None

@@ -6,9 +6,7 @@ holds ``RRef``s to them. ``DistResNet50.forward`` cuts the batch into ``num_spli
 micro-batches and fires them all off asynchronously, so while shard 2 works on micro-batch
 i, shard 1 already works on micro-batch i + 1.
 
-``seed`` builds a shard's weights from its own generator state, so that every model built
-with one seed starts from the same weights whatever ran before. Nothing here measures:
-scripts/bench_rpc_pipeline_resnet.py attaches its meters from outside.
+``seed``: every model built with one seed starts from the same weights, whatever ran before.
 """
 from __future__ import annotations
 
@@ -46,12 +44,9 @@ def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
 class ResNetBase(nn.Module):
     """What both shards share: torchvision's ``_make_layer`` and the parameter RRefs.
 
-    ``_lock`` serialises ``forward``: the RPC agent runs every incoming request on its own
-    thread, and two micro-batches must not run through the layers (and update BatchNorm's
-    running statistics) at the same time. The backward passes are not serialised: each
-    micro-batch's gradient arrives as its own RPC, and distributed autograd runs it on
-    whichever thread received it, so one shard can back-propagate several micro-batches
-    at once (the trace shows it).
+    ``_lock`` serialises ``forward``: the RPC agent runs each request on its own thread, and
+    two micro-batches must not update BatchNorm's running statistics at once. Backward
+    passes are not serialised: several micro-batches can back-propagate at once.
     """
 
     def __init__(self, block: type[Bottleneck], inplanes: int, num_classes: int = NUM_CLASSES,
@@ -158,12 +153,9 @@ def _set_training(module_rref: RRef, mode: bool) -> None:
 class DistResNet50(nn.Module):
     """Lives on the master: holds RRefs to the two shards and pipelines micro-batches through them.
 
-    ``num_split`` is the number of micro-batches per batch (the tutorial's code read an
-    undefined ``self.split_size``; upstream used the number as the micro-batch *size*).
-    ``devices``: the shards' devices (the tutorial hard-codes "cuda:0" and "cuda:1").
-    With ``seed``, shard 1 is built from ``seed`` and shard 2 from ``seed + 1``: every model
-    built with one seed starts from the same weights (the workers' global generators move
-    on with every model they build).
+    ``num_split``: micro-batches per batch (the tutorial read an undefined ``self.split_size``).
+    ``devices``: the shards' (the tutorial hard-codes "cuda:0", "cuda:1"). ``seed``: shard 1
+    from ``seed``, shard 2 from ``seed + 1``, the same weights whatever the workers built before.
     """
 
     def __init__(self, num_split: int, workers: Sequence[str],
@@ -186,11 +178,9 @@ class DistResNet50(nn.Module):
             args=(devices[1],) + args,
             kwargs={**kwargs, "seed": seeds[1]},
         )
-        # rref.rpc_async() needs the type of the object behind the RRef. Until it has it, it
-        # sends the RPC from a callback, on a thread outside this dist_autograd context, and
-        # that micro-batch silently gets no gradients. Learn both types now, the way the RRef
-        # proxies ask for them (private, no public way: the RRef caches this future and the
-        # proxies reuse it).
+        # rref.rpc_async() needs the type behind the RRef; until it has it, it sends the RPC
+        # from a callback outside this dist_autograd context, and that micro-batch silently
+        # gets no gradients. Learn both types now, as the proxies do (private: no public way).
         for rref in (self.p1_rref, self.p2_rref):
             rref._get_type(blocking=False).wait()
 

@@ -1,10 +1,8 @@
 """The same ResNet50 pipeline with torch.distributed.pipelining: two ranks, no master.
 
-main.py pipelines ResNet50 as "Distributed Pipeline Parallelism Using RPC" does; PyTorch now
-sends readers of that tutorial to "Introduction to Distributed Pipeline Parallelism", whose
-way this file follows, with the same two halves, built by the same ``ResNetShard1`` and
-``ResNetShard2`` from the same seeds (identical weights), the same data and the same
-micro-batches. Roles by rank:
+PyTorch now sends readers of the RPC pipeline tutorial (main.py) to "Introduction to
+Distributed Pipeline Parallelism", whose way this file follows: the same two halves
+(``ResNetShard1``/``ResNetShard2``, same seeds), data and micro-batches. Roles by rank:
   rank 0  stage 0: ResNetShard1's layers (conv1 .. layer2); makes the images and feeds them:
           ``schedule.step(inputs)``
   rank 1  stage 1: ResNetShard2's layers (layer3 .. fc); makes the labels and computes the
@@ -17,9 +15,8 @@ Run on one machine (spawns the two processes; CPU + gloo unless each process has
     python rpc_pipeline_resnet/pipelining.py --world_size 2 --schedule 1F1B --splits 2 4 8
 One rank per process under torchrun, as the pipelining tutorial launches it:
     torchrun --nproc_per_node 2 rpc_pipeline_resnet/pipelining.py
-Prints what main.py prints: "number of splits = N, execution time = T" for each N (rank 0)
-and each batch's loss (rank 1, the last stage). --trace DIR writes each rank's torch.profiler
-trace, where GPipe's own "Forward i"/"Backward i" spans show every micro-batch.
+Prints what main.py prints (times on rank 0, losses on rank 1). --trace DIR: each rank's
+torch.profiler trace, with GPipe's own "Forward i"/"Backward i" spans.
 """
 from __future__ import annotations
 
@@ -111,14 +108,9 @@ def init_distributed(where: distkit.Placement) -> tuple[int, torch.device]:
 
 
 class ShardStage(nn.Module):
-    """One shard's layers as a pipeline stage: ``forward`` takes the tensor itself.
-
-    The layers are those ``ResNetShard1``/``ResNetShard2`` built (the same code, seeds and
-    weights as main.py's shards; the state_dict keys are theirs too). The RPC shards'
-    ``forward`` fetches its input through an RRef, holds a lock and moves the output to the
-    CPU; a stage needs none of that: the schedule hands it one micro-batch at a time, on
-    its device, and sends the output on itself.
-    """
+    """One shard's layers (main.py's, same weights and state_dict keys) as a pipeline stage:
+    ``forward`` takes the tensor itself. No RRef, lock or copy to the CPU: the schedule
+    hands it one micro-batch at a time, on its device, and sends the output on itself."""
 
     def __init__(self, shard: ResNetBase) -> None:
         super().__init__()
@@ -132,13 +124,11 @@ class ShardStage(nn.Module):
 
 
 def shape_hints(stage_index: int, rows: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
-    """``PipelineStage``'s ``input_args``/``output_args`` where PyTorch needs them: none on
-    torch 2.14, one micro-batch of ``rows`` images in and out (meta tensors) on older ones.
+    """``PipelineStage``'s ``input_args``/``output_args`` (meta tensors) on torch before 2.14.
 
-    Without them PyTorch runs the stage once to learn the shapes. torch 2.10 runs it in
-    training mode, on zeros, and keeps what BatchNorm's running statistics learnt from them
-    (the parity test caught it); 2.14 backs the buffers up and restores them, and its static
-    path would want gradient shapes too, so there the tutorial's call stays as it is.
+    Without them PyTorch runs the stage once to learn the shapes; torch 2.10 does so in
+    training mode and keeps BatchNorm's statistics of those zeros (the parity test caught
+    it). 2.14 restores the buffers, so there the tutorial's call stays as it is.
     """
     # private, on purpose: the backup is the behaviour that matters, and no public API says
     # whether a PipelineStage has it
@@ -175,20 +165,13 @@ def build_schedule(stage: PipelineStage, name: str, num_split: int, loss_fn: nn.
     return SCHEDULES[name](stage, n_microbatches=num_split, loss_fn=loss_fn)
 
 
-def no_extras(stage: PipelineStage, i: int) -> contextlib.AbstractContextManager:
-    """``run_pipeline``'s default ``on_batch``: the training loop and nothing else."""
-    return contextlib.nullcontext()
-
-
 def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: torch.device,
-                 on_batch: Callable[[PipelineStage, int], contextlib.AbstractContextManager] = no_extras,
+                 on_batch: Callable[[PipelineStage, int], contextlib.AbstractContextManager]
+                 = lambda stage, i: contextlib.nullcontext(),  # the training loop alone
                  ) -> list[float]:
-    """The training loop on one rank: a fresh stage, ``num_split`` micro-batches a batch.
-
-    main.py's ``run_master``, pipelined by a schedule instead of RPCs: trains --warmup +
-    --num_batches batches and returns their losses (rank 1, which computes them; rank 0
-    returns none). ``on_batch(stage, i)`` is entered around each batch: ``BatchClock`` here,
-    the benchmark's meters from outside.
+    """main.py's ``run_master`` on one rank, pipelined by a schedule: a fresh stage, trains
+    --warmup + --num_batches batches, returns their losses (rank 1; rank 0 none).
+    ``on_batch(stage, i)`` is entered around each batch (``BatchClock``, the benchmark's meters).
     """
     stage_index, num_stages = rank, 2  # one stage per rank
     stage = manual_model_split(stage_index, num_stages, device, args, num_split)
@@ -231,12 +214,8 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
-    """Both ranks: join the group, train one fresh pair of stages per --splits value.
-
-    Returns one run per value on every rank: its split value, rank 0's seconds for the
-    batches after --warmup, and rank 1's losses (rank 0 has none). --trace: each rank's
-    profile, with the schedule's own spans.
-    """
+    """Both ranks: join the group, train one fresh pair of stages per --splits value; one
+    run per value (rank 0's seconds after --warmup, rank 1's losses)."""
     rank, device = init_distributed(placement(worker, args))
     runs = []
     with distkit.profiled(args.trace, f"rank{rank}"):

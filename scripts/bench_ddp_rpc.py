@@ -3,28 +3,9 @@
     python scripts/bench_ddp_rpc.py --quick                        # about a minute on 2 cores
     python scripts/bench_ddp_rpc.py --plot docs/results/ddp_rpc.png   # 1 and 2 trainers, 3 batch sizes
 
-For each number of trainers and batch size it runs the example itself (``ddp_rpc.main.run_worker``,
-unchanged: the table on the parameter server behind a ``RemoteModule``, ``fc`` in DDP on the
-trainers, distributed autograd and a ``DistributedOptimizer``) and, in this process, what one
-trainer computes per iteration without any of it: the same ``nn.EmbeddingBag`` and
-``nn.Linear`` on the same batches (``get_next_batch``) with a plain ``torch.optim.SGD``, on the
-CPU with the intra-op threads each distributed process gets.
-
-How it is measured (the machinery is ``rpc_phases.py``'s, shared with ``bench_rpc_rnn``):
-  - each trainer's loop is timed from outside: ``dist_autograd.backward`` and
-    ``DistributedOptimizer.step`` are wrapped with timers in the worker processes;
-  - an iteration runs from one optimizer step's end to the next's; "forward" is the iteration
-    minus backward and step (batch, the embedding lookup RPC, ``fc``, loss, context release);
-    "backward" holds the gradient RPC to the parameter server and DDP's allreduce, "step" the
-    optimizer RPCs;
-  - it/s = 1 / median iteration time of a trainer (pooled over trainers), after ``--warmup``;
-    samples/s = trainers x batch size x it/s;
-  - comm share = (distributed - local) / distributed median iteration time: everything a
-    trainer spends beyond its own arithmetic (RPC to the parameter server, the allreduce,
-    waiting for the other trainer and the server, and sharing the cores with 3 other processes);
-  - "RTTs/it" puts that extra time in units of a no-op ``rpc_sync`` round trip measured in the
-    same run.
-The benchmark runs on the CPU (``--device cpu``) so that both sides use the same device.
+The example's ``run_worker`` unchanged, against one trainer's arithmetic alone in this process
+(same modules and batches, plain SGD): comm share is the rest, everything beyond a trainer's own
+arithmetic. On the CPU, so both sides use the same device. Columns: docs/ddp_rpc.md, "Benchmark".
 """
 from __future__ import annotations
 

@@ -2,37 +2,12 @@
 
     python scripts/bench_pipelining_transformer.py --quick                 # about a minute on 2 cores
     python scripts/bench_pipelining_transformer.py --plot results/pipelining_transformer.png
-
-For every schedule and micro-batch count m it runs the example's own training loop
-(``pipelining_transformer.main.run_worker``, unchanged) on --world_size ranks, and beside
-it one process training the whole model (the same seeded ``Transformer``, batches and
-optimizer, no micro-batches) with as many threads as all the ranks together. In the ranks
-two of the example's methods are wrapped with clocks, and stagetrace records the stages:
-  - ``PipelineRank.optimizer_step``: a step runs from one optimizer step's end to the next's;
-    step time is the median over the steps after --warmup, tokens/s = batch tokens / that;
-  - ``PipelineRank.forward_backward``: the schedule's part of a step (its sends, receives,
-    forwards and backwards);
-  - a rank's compute: its stages' F, B and W spans (the loss the schedule computes after the
-    last stage's forward counted in that F), recorded by ``stagetrace.py``, the one
-    module that wraps torch's private stage methods. Measured bubble = 1 - compute / schedule time, the share of the schedule a
-    rank spends waiting (mean over ranks). Ideal bubble: the schedule's own action table
-    played with unit costs (F 1, B 2, I 1, W 1; ``pipeline_plan.plan``):
-    (p - 1) / (m + p - 1) for GPipe and 1F1B, less for the interleaved and zero-bubble ones.
-Peak memory is each process's peak resident set (``ru_maxrss``, ``import torch`` included).
-
---sweep: where pipelining pays. GPipe and 1F1B (or --schedules) on --world_size ranks with
-m = 8 (or the first --microbatches), over work per micro-batch (batch size x sequence
-length, the model fixed), against two references in one process:
-  - "local": the whole batch at once with all cores: what a user would otherwise run;
-    speed-up over it > 1 is the crossover;
-  - "sequential": the same m micro-batches one after another with one thread, gradients
-    accumulated: what the ranks' compute costs against one process ("compute").
-    Efficiency: the ranks' own compute (the work the pipeline spreads, measured in the same
-    run) over the pipeline's forward + backward time, divided by its bound
-    p m / (m + p - 1) (1.78 for p = 2, m = 8); it is balance x overlap, the smaller
-    "binds" (``limiting_factors``). Steps per point: enough for ~6 s timed (3 to 12).
---stage_layers even 5,3 auto: those splits side by side (auto: balance.py).
     python scripts/bench_pipelining_transformer.py --sweep --stage_layers even 5,3 auto --plot docs/results/pipelining_transformer_sweep.png
+
+The example's ``run_worker`` unchanged, beside one process with the whole model and as many
+threads. Bubble = 1 - compute (stagetrace.py's spans) / schedule time, beside the ideal
+(pipeline_plan.py). --sweep: over work per micro-batch, against one process and p m / (m + p - 1).
+Every column: docs/pipelining_transformer.md#benchmark.
 """
 from __future__ import annotations
 
@@ -109,60 +84,36 @@ def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
             "compute": clocks.compute, "spans": clocks.spans}
 
 
-def local_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """One process, the whole model, the example's batches and optimizer: the reference."""
+def local_worker(worker: distkit.Worker, args: argparse.Namespace, m: int = 1) -> dict:
+    """The reference: one process, the whole model; m > 1: micro-batches one after another."""
     torch.manual_seed(args.seed)
     model = Transformer(example.model_args_from(args))
     opt = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    step_ends = []
-    for step in range(args.steps):
-        x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
-        opt.zero_grad(set_to_none=True)
-        tokenwise_loss_fn(model(x), y).backward()
-        opt.step()
-        step_ends.append(time.perf_counter())
-    return {"step_ends": step_ends, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def sequential_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """One process, the whole model: the batch's micro-batches one after another, one optimizer
-    step on their accumulated gradients. The work a pipeline spreads over its ranks."""
-    torch.manual_seed(args.seed)
-    model = Transformer(example.model_args_from(args))
-    opt = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    m = args.n_microbatches
     step_ends, forward_backward = [], []
     for step in range(args.steps):
         x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
         start = time.perf_counter()  # what a pipeline's schedule.step spreads: zero_grad to here
         opt.zero_grad(set_to_none=True)
         for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            (tokenwise_loss_fn(model(xm), ym) / m).backward()
+            loss = tokenwise_loss_fn(model(xm), ym)
+            (loss / m if m > 1 else loss).backward()
         forward_backward.append(time.perf_counter() - start)
         opt.step()
         step_ends.append(time.perf_counter())
-    return {"step_ends": step_ends, "forward_backward": forward_backward}
+    return {"step_ends": step_ends, "forward_backward": forward_backward,
+            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def sequential_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """One process, one thread: the m micro-batches one after another, then one step."""
+    return local_worker(worker, args, args.n_microbatches)
 
 
 def limiting_factors(ranks: dict[int, dict], warmup: int, m: int, sequential_s: float) -> dict:
-    """The pipelined part of a step (``forward_backward``: the m micro-batches' forwards and
-    backwards, the slowest rank's seconds T) against its bound.
-
-    The work it spreads is the ranks' own compute, measured in the same run (sum C, the
-    busiest rank's c). Its speed-up C / T is at most p m / (m + p - 1) (for any stage
-    costs: T >= c + (C - c) / m), so efficiency = C (m + p - 1) / (p m T) <= 1, and it is
-    the product of
-      balance  the mean rank's compute / the busiest rank's (1: equal stages)
-      overlap  c (m + p - 1) / (m T): how close the schedule comes to the ideal pipeline
-               of its busiest rank (the bubble beyond the ideal, messages)
-    ``binds`` names the smaller. Beside them, not in the efficiency:
-      compute  the sequential reference's forward + backward seconds (one process, one
-               thread, measured in a run of its own) / C: below 1 when the ranks compute
-               more slowly than one process alone. The reference itself varies by several
-               per cent from run to run, so with it as the work the efficiency once read
-               101 %: above the bound, a measurement error.
-    The optimizer step is outside T: each rank steps its own parameters, in parallel.
-    """
+    """The slowest rank's ``forward_backward`` seconds T against its bound: with the ranks' own
+    compute C (busiest c), T >= c + (C - c) / m, so efficiency = C (m + p - 1) / (p m T) <= 1, =
+    balance x overlap (c (m + p - 1) / (m T)). "compute" (sequential seconds / C) stays out: that
+    reference varies by several % between runs (it once read 101 %)."""
     p = len(ranks)
     schedule = median([max(steps) for steps in zip(*(r["schedule"][warmup:] for r in ranks.values()))])
     compute = rank_compute(ranks, warmup)
@@ -231,8 +182,7 @@ QUICK_SWEEP_POINTS = [(8, 8), (8, 32)]
 
 
 def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tuple[int, ...]) -> list[dict]:
-    """Speed-up and efficiency of GPipe/1F1B against work per micro-batch (see the docstring),
-    each split of --stage_layers side by side."""
+    """Speed-up and efficiency against work per micro-batch, each --stage_layers split."""
     schedules = args.schedules or ["GPipe", "1F1B"]
     m = (args.microbatches or [4 if args.quick else 8])[0]
     steps = args.steps or 3
@@ -326,41 +276,31 @@ def compare_splits(rows: list[dict], new: str, old: str) -> None:
 
 
 def plot_sweep(path: str | None, rows: list[dict]) -> None:
-    if not path:
-        return
-    import matplotlib
+    def draw(axes):
+        a, b = axes
+        for schedule, split in dict.fromkeys((r["schedule"], r["split flag"]) for r in rows):
+            rs = [r for r in rows if (r["schedule"], r["split flag"]) == (schedule, split)]
+            x = [r["tokens/mb"] for r in rs]
+            a.plot(x, [r["speed-up"] for r in rs], "o-", label=f"{schedule}, {split}")
+            b.plot(x, [100 * r["efficiency"] for r in rs], "o-", label=f"{schedule}, {split}")
+        a.axhline(1, color="0.5", ls=":", label="one process (all cores)")
+        a.set_ylabel("speed-up over one process, whole batch, all cores")
+        b.axhline(90, color="0.5", ls=":", label="target 90 %")
+        b.axhline(100, color="k", lw=0.8, label=f"bound p m/(m+p-1) = {rows[0]['bound']:.2f}x")
+        b.set_ylabel("efficiency: speed-up over sequential / bound (%)")
+        b.set_ylim(0, 110)
+        for ax in (a, b):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("work per micro-batch (tokens)")
+            ax.legend(fontsize=8)
+        a.figure.suptitle(f"pipelining_transformer on {len(rows) and 2} ranks, m = {rows[0]['m']}: "
+                          "where pipelining pays", fontsize=10)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for schedule, split in dict.fromkeys((r["schedule"], r["split flag"]) for r in rows):
-        rs = [r for r in rows if (r["schedule"], r["split flag"]) == (schedule, split)]
-        x = [r["tokens/mb"] for r in rs]
-        a.plot(x, [r["speed-up"] for r in rs], "o-", label=f"{schedule}, {split}")
-        b.plot(x, [100 * r["efficiency"] for r in rs], "o-", label=f"{schedule}, {split}")
-    a.axhline(1, color="0.5", ls=":", label="one process (all cores)")
-    a.set_ylabel("speed-up over one process, whole batch, all cores")
-    b.axhline(90, color="0.5", ls=":", label="target 90 %")
-    b.axhline(100, color="k", lw=0.8, label=f"bound p m/(m+p-1) = {rows[0]['bound']:.2f}x")
-    b.set_ylabel("efficiency: speed-up over sequential / bound (%)")
-    b.set_ylim(0, 110)
-    for ax in (a, b):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("work per micro-batch (tokens)")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"pipelining_transformer on {len(rows) and 2} ranks, m = {rows[0]['m']}: where pipelining pays",
-                 fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"# plot written to {path}")
+    save_plot(path, draw, ncols=2, figsize=(11, 4.2))
 
 
 def splits(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """Each split to run, as (label, the example's flags): ``even`` (no flag), ``auto``, or
-    counts (``5,3``; ``5 3`` alone is one split, as the example takes it)."""
+    """Each split as (label, the example's flags): even, auto, or counts (5,3; 5 3 alone: one)."""
     specs = args.stage_layers or ["even"]
     if all(_is_number(t) for t in specs):  # --stage_layers 5 3: the example's own form
         specs = [",".join(specs)]
@@ -383,8 +323,7 @@ def _is_number(text: str) -> bool:
 
 
 def split_spec(text: str) -> str:
-    """One --stage_layers value: even, auto, or layer counts per stage joined by commas, each
-    count checked by the example's own ``layer_count`` (a whole or half number)."""
+    """One --stage_layers value: even, auto, or counts joined by commas (the example's ``layer_count``)."""
     if text in ("even", "auto"):
         return text
     if "," not in text and not _is_number(text) or "auto" in text.split(","):
@@ -447,8 +386,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     schedules = args.schedules or (QUICK_SCHEDULES if args.quick else list(SCHEDULES))
     microbatches = args.microbatches or ([2, 4] if args.quick else [2, 4, 8])
     steps = args.steps if args.steps is not None else (4 if args.quick else 8)
-    # under this script's flag names (the example's check_args, run on every configuration
-    # below before anything starts, would name its own: --n_microbatches, --dim)
+    # under this script's flag names (the example's check_args would name its own)
     check_at_least(parser, 1, {"--microbatches": microbatches, "--world_size": args.world_size,
                                "--steps": steps, "--warmup": args.warmup, "--batch_size": args.batch_size,
                                "--seq_len": args.seq_len, "--model": args.model})
@@ -484,8 +422,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "--n_microbatches", str(m)])
                 example.check_args(parser, ex)  # its one-line errors, before anything runs
                 jobs.append((label, schedule, m, ex))
-    # a split, schedule or m the user named that runs nowhere is a mistake, not a skip (issue
-    # 29: --stage_layers bogus once skipped every configuration and printed an empty table)
+    # a named split, schedule or m that runs nowhere is a mistake, not a skip (issue 29)
     named = [("--stage_layers", 0, [label for label, _ in splits(args)] if args.stage_layers else [])]
     named += [("--schedules", 1, schedules if args.schedules else []),
               ("--microbatches", 2, microbatches if args.microbatches else [])]
@@ -507,8 +444,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for label, schedule, m, problem in skipped:
         print(f"# skipped {schedule} m={m} ({label}): {problem}")
     local = distkit.launch(local_worker, local_args)[0]
-    # the same with one thread: on a busy machine a process's second thread waits for a core
-    # at every parallel region, and "the same total threads" says more about the load
+    # one thread too: on a busy machine a second thread waits for a core at every parallel region
     local1 = distkit.launch(local_worker, argparse.Namespace(**{**vars(local_args), "threads": 1}))[0]
     rows = []
     for label, schedule, m, ex in jobs:

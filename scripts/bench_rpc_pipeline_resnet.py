@@ -4,48 +4,9 @@
     python scripts/bench_rpc_pipeline_resnet.py --plot docs/results/rpc_pipeline_resnet.png
                                     # both engines, GPipe and 1F1B: about 15 min on 2 cores
 
-Engines (``--engine``): ``rpc``, the tutorial's (main.py: a master and two shard workers,
-three processes), and ``pipelining``, the same model with torch.distributed.pipelining
-(pipelining.py: two ranks, one stage each), once per ``--schedules`` entry (GPipe, 1F1B; 1F1B
-needs two micro-batches, so its speed-up is over GPipe's 1-split run, which with one
-micro-batch runs the same order). Configurations: a sweep over work per micro-batch
-(``--sizes``: image sizes at ``--sweep_splits`` micro-batches) and a split table (``--splits``
-at ``--table_size``), batches of ``--batch_size``. For each one and each engine:
-
-  - s/batch   median wall seconds of one training batch of the example's own job (its
-              ``run_worker`` and training loop), after a warm-up batch; CPU work W (CPU
-              seconds of all its processes) over the same batch
-  - seq s     reference for the bound: the same micro-batches one after another through the
-              same two shards in one process with one thread (forward, loss, backward, SGD);
-              its CPU seconds W_seq are the arithmetic the batch needs
-  - user s    what a user would otherwise run: one process, all cores, the whole batch at once
-  - floor     the machine's limit, W_seq / cores: no schedule can finish the batch's arithmetic
-              sooner on this machine (true while the pipeline needs at least W_seq of CPU:
-              ``work`` = W / W_seq shows it); the same floor for every engine
-  - x 1 split, bound 1   speed-up over the same engine's 1-split run of the same images, and
-              its bound, (1-split seconds) / floor
-  - x user, x seq   speed-ups over the two references, each beside its bound, (reference
-              seconds) / floor; a speed-up above its bound is flagged as an ERROR
-  - eff.      floor / s/batch: the share of the machine's bound reached (= each speed-up
-              over its bound)
-  - model     eff. of a two-stage pipeline whose stages have one core each: with the two
-              shard processes' CPU seconds A <= B per batch, a batch takes B + A / m (the
-              busier stage all the time, the other for one micro-batch of fill and drain), so
-              model = floor / (B + A / m). eff. close to it: the stages' imbalance binds. A
-              model, not a bound (a rank's gloo threads add CPU beside its compute); the rpc
-              engine escapes it (its shard 2 back-propagates several micro-batches at once,
-              on the core shard 1 leaves idle), and so do ranks with more threads
-  - vs rpc    the rpc engine's s/batch over this one's (pipelining rows): above 1 is faster
-  - procs, CPU s/shard, peak MB   processes of the job; CPU seconds per batch of the process
-              holding each shard; each process's peak resident memory (VmHWM) after the
-              run (configurations run from the smallest images up, so a row shows its own
-              peak unless an earlier, smaller configuration needed more)
-  - 2m/(m+1)  the classic bound of two equal, strictly serial stages; not a bound here (the
-              shards differ), printed for comparison
-  - busy      W / s/batch, cores in use on average
-
-Every model (pipelines and references) is built from the same seed; every process keeps its
-freed memory (``steady_malloc``), so no measurement depends on what ran before it.
+Engines: ``rpc`` (main.py, 3 processes) and ``pipelining`` (pipelining.py, 2 ranks, per
+schedule). Same seed everywhere, and every process keeps its freed memory (``steady_malloc``),
+so no measurement depends on what ran before it. Columns: docs/rpc_pipeline_resnet.md#benchmark.
 """
 from __future__ import annotations
 
@@ -67,7 +28,7 @@ import torch.optim as optim
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 import rpc_pipeline_resnet.pipelining as pp_example  # noqa: E402
-from benchlib import check_at_least, describe_machine, format_table, median  # noqa: E402
+from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
 from distkit.schedules import schedule_problem  # noqa: E402
 from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2  # noqa: E402
 from resnet_meters import Meter, StageMeter, classic_bound, cores, steady_malloc  # noqa: E402
@@ -115,11 +76,7 @@ def reference(args: argparse.Namespace, size: int, m: int, threads: int, reps: i
 
 
 def gflop_per_image(size: int, num_classes: int) -> float:
-    """Forward + backward arithmetic of one image through both shards, in GFLOP.
-
-    Convolutions and fc (all but a few % of ResNet50's arithmetic), counted with forward
-    hooks: 2 x multiply-adds forward, twice that backward (input and weight gradients).
-    """
+    """GFLOP of one image through both shards: convolutions and fc, 2 x MACs forward, twice that back."""
     flops = []
 
     def count(module: nn.Module, inputs: tuple, out: torch.Tensor) -> None:
@@ -148,19 +105,15 @@ def env_var(name: str, value: str | None) -> Iterator[None]:
     try:
         yield
     finally:
-        if value is not None:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
+        if value is not None and old is None:
+            del os.environ[name]
+        elif value is not None:
+            os.environ[name] = old
 
 
 def bench_worker(engine: str, configs: list[tuple[int, int]], worker: distkit.Worker,
                  args: argparse.Namespace) -> list[dict]:
-    """Every rank: the engine's own ``run_worker``; its i-th run is configuration i (its
-    training loop with configuration i's image size, and this benchmark's meter beside the
-    example's own ``on_batch``; ``--splits`` already lists the configurations' micro-batch
-    counts in order). Returns the measured runs (the RPC engine's on its master only)."""
+    """Every rank: the engine's ``run_worker``, run i on configuration i, our meter in ``on_batch``."""
     steady_malloc()  # every process of the job keeps its memory: see resnet_meters.py
     module_name, loop_name = ENGINES[engine]
     module = importlib.import_module(module_name)
@@ -211,8 +164,7 @@ def summarize(jobs: list[tuple[str, int, list, list]], refs: dict, users: dict, 
                    "work": w / ref["cpu"], "losses": run["losses"],
                    "CPU s/shard": "/".join(f"{c / args.num_batches:.2f}" for c in run["cpu_times"][-2:]),
                    "peak MB": "/".join(f"{p:.0f}" for p in run["peak_mb"])}
-            # two stages, one core each, the shards' CPU seconds A <= B per batch: a batch
-            # takes B plus one micro-batch of the other stage (fill and drain)
+            # two one-core stages, shard CPU seconds A <= B: B plus one micro-batch of A (fill, drain)
             row["shard cpu"] = [c / args.num_batches for c in run["cpu_times"][-2:]]
             a, b = sorted(row["shard cpu"])
             row["model"] = floor / (b + a / m)
@@ -229,8 +181,7 @@ def summarize(jobs: list[tuple[str, int, list, list]], refs: dict, users: dict, 
 
 
 def targets(rows: list[dict], m: int) -> list[str]:
-    """The issue's two targets, read off the rows: every pipelining schedule at ``m``
-    micro-batches reaches 90 % of the machine's bound, and is not slower than rpc anywhere."""
+    """The issue's targets: pipelining at ``m`` reaches 90 % of the bound, never slower than rpc."""
     lines = []
     for r in rows:
         if r["engine"] != "rpc" and r["m"] == m:
@@ -246,57 +197,50 @@ def targets(rows: list[dict], m: int) -> list[str]:
 
 
 def plot(path: str | None, rows: list[dict], sweep_m: int, table_size: int) -> None:
-    if not path:
-        return
-    import matplotlib
+    def draw(axes):
+        import matplotlib.pyplot as plt
+        ax1, ax2, ax3 = axes
+        engines = list(dict.fromkeys(r["engine"] for r in rows))
+        colors = {engine: plt.get_cmap("tab10")(i) for i, engine in enumerate(engines)}
+        for engine in engines:
+            c = colors[engine]
+            sweep = sorted((r for r in rows if r["engine"] == engine and r["m"] == sweep_m),
+                           key=lambda r: r["GFLOP/mb"])
+            ax1.plot([r["GFLOP/mb"] for r in sweep], [100 * r["eff."] for r in sweep], "o-", color=c,
+                     label=engine)
+            for r in sweep:
+                ax1.annotate(f"{r['image']}px", (r["GFLOP/mb"], 100 * r["eff."]), textcoords="offset points",
+                             xytext=(0, 6), ha="center", fontsize=6, color=c)
+            table = sorted((r for r in rows if r["engine"] == engine and r["image"] == table_size
+                            and "x 1 split" in r), key=lambda r: r["m"])
+            ms = [r["m"] for r in table]
+            ax2.plot(ms, [r["x 1 split"] for r in table], "o-", color=c, label=f"{engine}: speed-up")
+            ax2.plot(ms, [r["bound 1"] for r in table], "s--", color=c, alpha=0.6,
+                     label=f"{engine}: its bound")
+            every = sorted((r for r in rows if r["engine"] == engine and r["image"] == table_size),
+                           key=lambda r: r["m"])
+            ax3.plot([r["m"] for r in every], [r["s/batch"] for r in every], "o-", color=c, label=engine)
+        ax1.axhline(90, color="tab:red", ls=":", label="target 90 %")
+        ax1.set_ylim(0, 105)
+        ax1.set_xscale("log")
+        ax1.set_xlabel("work per micro-batch (GFLOP, forward + backward)")
+        ax1.set_ylabel("% of the machine's bound (floor / s per batch)")
+        ax1.set_title(f"{sweep_m} micro-batches: share of the bound reached", fontsize=9)
+        for ax in (ax2, ax3):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(f"micro-batches ({table_size}x{table_size} images)")
+        ax2.set_ylim(bottom=0)
+        ax2.set_ylabel("speed-up over 1 split")
+        ax2.set_title("speed-up over 1 split beside its bound (1-split s / floor)", fontsize=9)
+        ax3.set_ylim(bottom=0)
+        ax3.set_ylabel("seconds per batch")
+        ax3.set_title("seconds per batch, both engines", fontsize=9)
+        for ax in (ax1, ax2, ax3):
+            ax.legend(fontsize=7)
+        ax1.figure.suptitle("rpc_pipeline_resnet: RPC (3 processes) and torch.distributed.pipelining "
+                            "(2 processes) on this machine", fontsize=10)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
-    engines = list(dict.fromkeys(r["engine"] for r in rows))
-    colors = {engine: plt.get_cmap("tab10")(i) for i, engine in enumerate(engines)}
-    for engine in engines:
-        c = colors[engine]
-        sweep = sorted((r for r in rows if r["engine"] == engine and r["m"] == sweep_m),
-                       key=lambda r: r["GFLOP/mb"])
-        ax1.plot([r["GFLOP/mb"] for r in sweep], [100 * r["eff."] for r in sweep], "o-", color=c,
-                 label=engine)
-        for r in sweep:
-            ax1.annotate(f"{r['image']}px", (r["GFLOP/mb"], 100 * r["eff."]), textcoords="offset points",
-                         xytext=(0, 6), ha="center", fontsize=6, color=c)
-        table = sorted((r for r in rows if r["engine"] == engine and r["image"] == table_size
-                        and "x 1 split" in r), key=lambda r: r["m"])
-        ms = [r["m"] for r in table]
-        ax2.plot(ms, [r["x 1 split"] for r in table], "o-", color=c, label=f"{engine}: speed-up")
-        ax2.plot(ms, [r["bound 1"] for r in table], "s--", color=c, alpha=0.6, label=f"{engine}: its bound")
-        every = sorted((r for r in rows if r["engine"] == engine and r["image"] == table_size),
-                       key=lambda r: r["m"])
-        ax3.plot([r["m"] for r in every], [r["s/batch"] for r in every], "o-", color=c, label=engine)
-    ax1.axhline(90, color="tab:red", ls=":", label="target 90 %")
-    ax1.set_ylim(0, 105)
-    ax1.set_xscale("log")
-    ax1.set_xlabel("work per micro-batch (GFLOP, forward + backward)")
-    ax1.set_ylabel("% of the machine's bound (floor / s per batch)")
-    ax1.set_title(f"{sweep_m} micro-batches: share of the bound reached", fontsize=9)
-    for ax in (ax2, ax3):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(f"micro-batches ({table_size}x{table_size} images)")
-    ax2.set_ylim(bottom=0)
-    ax2.set_ylabel("speed-up over 1 split")
-    ax2.set_title("speed-up over 1 split beside its bound (1-split s / floor)", fontsize=9)
-    ax3.set_ylim(bottom=0)
-    ax3.set_ylabel("seconds per batch")
-    ax3.set_title("seconds per batch, both engines", fontsize=9)
-    for ax in (ax1, ax2, ax3):
-        ax.legend(fontsize=7)
-    fig.suptitle("rpc_pipeline_resnet: RPC (3 processes) and torch.distributed.pipelining "
-                 "(2 processes) on this machine", fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"# plot written to {path}")
+    save_plot(path, draw, ncols=3, figsize=(16, 4.8))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,18 +279,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     distkit.check_path(parser, "--plot", args.plot, "out_file")
 
-    def pick(value, quick, full):  # a flag the user gave wins over either default
-        return value if value is not None else (quick if args.quick else full)
-
-    args.sizes = pick(args.sizes, [32, 40], [32, 64, 96, 128, 160])
-    args.sweep_splits = pick(args.sweep_splits, 2, 8)
-    args.splits = pick(args.splits, [1, 2], [1, 2, 4, 8])
-    args.table_size = pick(args.table_size, 40, 128)
-    args.batch_size = pick(args.batch_size, 4, 16)
-    args.num_batches = pick(args.num_batches, 1, 3)
-    args.reps = pick(args.reps, 1, 3)
-    args.num_classes = pick(args.num_classes, 10, 1000)
-    args.pp_threads = pick(args.pp_threads, [1], [1, 2])
+    for flag, quick, full in (("sizes", [32, 40], [32, 64, 96, 128, 160]), ("sweep_splits", 2, 8),
+                              ("splits", [1, 2], [1, 2, 4, 8]), ("table_size", 40, 128),
+                              ("batch_size", 4, 16), ("num_batches", 1, 3), ("reps", 1, 3),
+                              ("num_classes", 10, 1000), ("pp_threads", [1], [1, 2])):
+        if getattr(args, flag) is None:  # a flag the user gave wins over either default
+            setattr(args, flag, quick if args.quick else full)
     # under this script's flag names (the example's check_args below would name its own)
     check_at_least(parser, 1, {f"--{flag}": getattr(args, flag) for flag in (
         "sizes", "sweep_splits", "table_size", "batch_size", "num_batches", "reps", "num_classes",
@@ -358,8 +296,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = ["--batch_size", str(args.batch_size), "--num_batches", str(args.num_batches),
             "--warmup", "1", "--seed", str(args.seed), "--num_classes", str(args.num_classes),
             "--device", "cpu"]
-    # every engine's job, with the configurations it can run, each checked by the example's
-    # own check_args (its one-line errors, under this script's name) before anything runs
+    # every engine's job and the configurations it can run, checked by the example's check_args
     plans = []  # (label, engine, processes, extra flags, configs)
     if "rpc" in args.engine:
         plans.append(("rpc", "rpc", 3, [], configs))
@@ -399,12 +336,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     refs = {(s, m): reference(args, s, m, 1, args.reps) for s, m in configs}
     users = {s: reference(args, s, 1, user_threads, args.reps) for s in sizes}
     torch.set_num_threads(threads)
-    # the jobs start after the references, one after another: nothing else of this benchmark
-    # runs beside a job
+    # the jobs run after the references, one at a time: nothing of this benchmark runs beside one
     done = []
     for label, engine, procs, cfgs, job_args in jobs:
-        # several threads per rank: passive OpenMP waits (read when a rank's torch loads, so
-        # set before it is spawned); otherwise a waiting rank's threads spin on the shared cores
+        # several threads per rank: passive OpenMP waits (read as torch loads, so set before the
+        # spawn), or a waiting rank's threads spin on the shared cores
         passive = job_args.threads is not None and job_args.threads > 1
         with env_var("OMP_WAIT_POLICY", "PASSIVE" if passive else None):
             runs = distkit.launch(functools.partial(bench_worker, engine, cfgs), job_args)[0]

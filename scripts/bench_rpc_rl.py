@@ -3,46 +3,21 @@
     python scripts/bench_rpc_rl.py --quick                      # about a minute on 2 cores
     python scripts/bench_rpc_rl.py --plot results/rpc_rl.png    # full: solves at 475, several sizes
 
-The tutorial's observer makes two RPCs per environment step, so one observer can step at
-most 1 / (2 x round-trip) times a second; --batch makes one. The table puts each measured
-rate beside that bound.
+The tutorial's observer makes two RPCs per environment step, so it steps at most 1 / (2 x
+round trip) times a second (--batch: one RPC); the table puts each rate beside that bound.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import sys
-import time
 from pathlib import Path
-
-import torch.distributed.rpc as rpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
-from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
+from benchlib import check_at_least, describe_machine, format_table, save_plot  # noqa: E402
+from rpc_phases import rpc_round_trip  # noqa: E402
 from rpc_rl.main import build_parser as rl_parser, check_args as rl_check, run_worker  # noqa: E402
-
-
-def _noop() -> None:
-    return None
-
-
-def rtt_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float] | None:
-    """Rank 0 times ``rpc_sync`` calls of a no-op on rank 1."""
-    # the transport rpc_rl uses: TCP only
-    options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"])
-    rpc.init_rpc(f"w{worker.rank}", rank=worker.rank, world_size=2, rpc_backend_options=options)
-    times = None
-    if worker.rank == 0:
-        for _ in range(20):  # warm-up: connections, thread pool
-            rpc.rpc_sync("w1", _noop)
-        times = []
-        for _ in range(args.rtt_calls):
-            start = time.perf_counter()
-            rpc.rpc_sync("w1", _noop)
-            times.append(time.perf_counter() - start)
-    rpc.shutdown()
-    return times
 
 
 def rl_args(parser: argparse.ArgumentParser, world_size: int, batch: bool, max_episodes: int,
@@ -53,10 +28,6 @@ def rl_args(parser: argparse.ArgumentParser, world_size: int, batch: bool, max_e
     args = rl_parser().parse_args(argv + (["--batch"] if batch else []))
     rl_check(parser, args)
     return args
-
-
-def rl_run(args: argparse.Namespace) -> dict:
-    return distkit.launch(run_worker, args)[0]
 
 
 def running_rewards(min_rewards: list[float]) -> list[float]:
@@ -107,17 +78,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   for ws in solve_sizes for batch in (False, True)]
     print(describe_machine(max(sizes + solve_sizes)))
 
-    rtt_args = argparse.Namespace(world_size=2, ranks=None, master_addr=None, master_port=None,
-                                  device="cpu", threads=None, rtt_calls=args.rtt_calls)
-    rtt = median(distkit.launch(rtt_worker, rtt_args)[0])
+    rtt = rpc_round_trip(args.rtt_calls)
     print(f"# RPC round trip (median of {args.rtt_calls} no-op rpc_sync): {rtt * 1e3:.3f} ms"
           f" -> at most {1 / (2 * rtt):.0f} steps/s per observer with 2 RPCs a step,"
           f" {1 / rtt:.0f} with 1\n")
 
-    rows = []
-    base = None
+    rows, base = [], None
     for ws, batch, run_args in speed_runs:
-        r = rl_run(run_args)
+        r = distkit.launch(run_worker, run_args)[0]
         rate = r["env_steps"] / r["seconds"]
         base = rate if not batch else base  # the tutorial's rate at this world size
         bound = (ws - 1) / ((1 if batch else 2) * rtt)
@@ -131,7 +99,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     curves = {}
     solve_rows = []
     for ws, batch, run_args in solve_runs:
-        r = rl_run(run_args)
+        r = distkit.launch(run_worker, run_args)[0]
         mode = "batch" if batch else "tutorial"
         curves[f"{ws - 1} obs, {mode}"] = running_rewards(r["rewards"])
         solve_rows.append({"table": "solve", "world_size": ws, "mode": mode,

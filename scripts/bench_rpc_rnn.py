@@ -3,26 +3,9 @@
     python scripts/bench_rpc_rnn.py --quick                        # about a minute on 2 cores
     python scripts/bench_rpc_rnn.py --plot results/rpc_rnn.png     # default, medium, large models
 
-For each model size it runs the example's own training loop (``rpc_rnn.main.run_worker``,
-unchanged: embedding and decoder on the parameter server, LSTM on the trainer) and, in this
-process, the same three modules (the example's ``EmbeddingTable``, an ``nn.LSTM``, its
-``Decoder``) on the same batches with a plain ``torch.optim.SGD``: no RPC, no distributed
-autograd. Both run on the CPU with the same intra-op threads per process, so both do the
-same arithmetic; the computation is serial in both (the trainer waits for every RPC).
-
-How it is measured:
-  - the trainer's loop is timed from outside: in the worker processes ``dist_autograd.backward``
-    and ``DistributedOptimizer.step`` are wrapped with timers (``PhaseClock``), the local loop
-    times ``loss.backward()`` and ``opt.step()`` with the same clock;
-  - an iteration runs from one optimizer step's end to the next's; "forward" is the iteration
-    minus backward and step (batch, forward with its two RPCs, loss, context release);
-  - it/s = 1 / median iteration time, over the iterations after ``--warmup``;
-  - rpc share = (distributed - local) / distributed median iteration time: the part of an
-    iteration that is not the model's own arithmetic (RPC messages, serialisation, the RPC
-    threads, distributed autograd's bookkeeping, waiting for the other process);
-  - "RTTs/it" puts that extra time in units of a no-op ``rpc_sync`` round trip measured in the
-    same run (``bench_rpc_rl.rtt_worker``).
-The benchmark runs on the CPU (``--device cpu``) so that both sides use the same device.
+The example's ``run_worker`` unchanged, against the same modules and batches in this process
+(plain SGD, no RPC, the same threads): rpc share is the rest, what is not the model's own
+arithmetic. On the CPU, so both sides use the same device. Columns: docs/rpc_rnn.md, "Benchmark".
 """
 from __future__ import annotations
 
@@ -44,8 +27,7 @@ from rpc_rnn.main import build_parser as rnn_parser, check_args as rnn_check  # 
 from rpc_rnn.main import get_next_batch, make_stream, run_worker  # noqa: E402
 from rpc_rnn.rnn import Decoder, EmbeddingTable  # noqa: E402
 
-# model sizes: the example's defaults, and two larger ones (the last is about the word
-# language model's small configuration: 200-wide embedding and LSTM, 35 steps of 20 sequences)
+# the example's defaults and two larger ones ("large": about the word language model's small one)
 CONFIGS: dict[str, dict[str, int]] = {
     "tiny": dict(ntoken=7, ninp=4, nhid=5, nlayers=1, seq_len=3, batch_size=2),
     "default": dict(ntoken=10, ninp=16, nhid=32, nlayers=2, seq_len=5, batch_size=8),

@@ -1,13 +1,8 @@
-"""What every benchmark script shares: a machine header, a table, an optional plot, and
-the check of its counts.
+"""What every benchmark script shares: a machine header, a table, a plot, the check of its counts.
 
-Benchmarks print; tests never time anything. Each script's ``main(argv)`` returns its
-table rows so the test suite can run it once on a tiny configuration and check the table.
-
-Every benchmark refuses bad input as the examples do, and before anything runs: its parser
-is ``distkit.ArgumentParser`` (one line, exit status 2), ``check_at_least`` checks its own
-counts, and every configuration it will run is parsed and checked up front by the example's
-own ``build_parser`` and ``check_args`` (tests/test_bench_flags.py).
+Benchmarks print; tests never time anything: ``main(argv)`` returns the table rows for the
+tests to check. Bad input is refused in one line before anything runs, as the examples do
+(``distkit.ArgumentParser``, ``check_at_least``, the example's own ``check_args``).
 """
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ import distkit
 
 def check_at_least(parser: argparse.ArgumentParser, minimum: int,
                    values: dict[str, int | Sequence[int] | None]) -> None:
-    """``parser.error`` (one line, exit 2) unless each flag's value, or every one of its
-    values, is at least ``minimum``; None: the flag was not given and its default holds."""
+    """``parser.error`` unless every value of each flag is at least ``minimum`` (None: not given)."""
     for flag, value in values.items():
         for v in value if isinstance(value, (list, tuple)) else [value]:
             if v is not None and v < minimum:
@@ -63,8 +57,8 @@ def format_table(header: Sequence[str], rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def save_plot(path: str | None, draw) -> None:
-    """Call ``draw(ax)`` on a fresh matplotlib figure and write it to ``path`` as PNG."""
+def save_plot(path: str | None, draw, ncols: int = 1, figsize: tuple[float, float] = (7, 4.5)) -> None:
+    """Call ``draw(ax)`` (the axes if ``ncols`` > 1) on a fresh figure and write it to ``path`` as PNG."""
     if not path:
         return
     import matplotlib
@@ -72,7 +66,7 @@ def save_plot(path: str | None, draw) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(1, ncols, figsize=figsize)
     draw(ax)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -1,27 +1,21 @@
 """What a schedule plans: its per-rank action table, played with unit costs (ideal bubbles).
 
-``plan(schedule, world_size, m)`` asks PyTorch for the schedule's per-rank action
-table (before anything runs) and plays it with unit costs, F = 1, full B = 2, and for the
-zero-bubble schedules I (input gradients) = 1, W (weight gradients) = 1, messages free and
-stages equal. Each rank runs its actions in the table's order; an action starts when its
-rank is free and its inputs exist (F of micro-batch i on stage s after F of i on s - 1;
-B or I of i on s after B or I of i on s + 1; W after I). The ideal bubble of a rank is
-1 - its busy time / the makespan: for GPipe and 1F1B that is (p - 1) / (m + p - 1).
-The benchmark reports ``ideal_bubble`` beside the bubble it measures.
+``plan`` plays PyTorch's own per-rank table with ``COSTS`` (messages free, stages equal), each
+action as soon as its rank is free and its inputs exist. Ideal bubble = 1 - busy / makespan:
+(p - 1) / (m + p - 1) for GPipe and 1F1B.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Private in torch 2.14.1 (pinned: re-check on upgrade). get_schedule_ops builds a schedule
-# around mock stages and returns its ``pipeline_order``: PyTorch's own table, which we
-# would otherwise have to re-derive per schedule.
+# Private in torch 2.14.1 (pinned: re-check on upgrade): it returns PyTorch's own table
+# (``pipeline_order``), which we would otherwise have to re-derive per schedule.
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 from distkit.schedules import SCHEDULES, num_stages_for, stage_indices_for
 from stagetrace import Span
 
-# The cost model of the plan, in units of one stage's forward of one micro-batch
+# in units of one stage's forward of one micro-batch; I: input gradients, W: weight gradients
 COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 # A planned action's span kind: I (input gradients only) is a backward, as stagetrace records it
 KIND = {"F": "F", "B": "B", "I": "B", "W": "W"}
@@ -29,11 +23,7 @@ KIND = {"F": "F", "B": "B", "I": "B", "W": "W"}
 
 def action_table(schedule: str, world_size: int, n_microbatches: int
                  ) -> list[list[tuple[str, int, int]]]:
-    """Each rank's compute actions in order, as (type, stage, micro-batch); type F, B, I, W.
-
-    PyTorch's table, with its spacing (None) dropped and DualPipeV's overlapped F+B pairs
-    split into their two actions, which the runtime runs one after the other.
-    """
+    """Each rank's actions, (type, stage, micro-batch): PyTorch's table, DualPipeV's F+B pairs split."""
     ops = get_schedule_ops(SCHEDULES[schedule], world_size, n_microbatches)
     table = []
     for rank_ops in ops:
@@ -45,10 +35,8 @@ def action_table(schedule: str, world_size: int, n_microbatches: int
                     actions.append((kind, sub.stage_index, sub.microbatch_index))
         table.append(actions)
     if schedule == "1F1B" and _table_problem(table, schedule, world_size, n_microbatches):
-        # torch 2.14.1's Schedule1F1B._get_pipeline_order numbers the last rank's micro-batches
-        # from 1 (F1..Fm, no F0) and leaves the middle ranks one warm-up forward short; its
-        # _step_microbatches, which is what runs, does not use that table. This is the order
-        # _step_microbatches runs: min(m, p - s) warm-up forwards, then B, F alternately.
+        # torch 2.14.1's 1F1B table is off by one (its last rank has no F0); what runs,
+        # _step_microbatches, ignores it: min(m, p - s) warm-up forwards, then B, F alternately
         table = [_one_f_one_b(rank, world_size, n_microbatches) for rank in range(world_size)]
     problem = _table_problem(table, schedule, world_size, n_microbatches)
     if problem:
@@ -115,7 +103,6 @@ def plan(schedule: str, world_size: int, n_microbatches: int) -> Plan:
     spans: list[Span] = []
 
     def ready(kind: str, stage: int, mb: int) -> float | None:
-        """When the inputs of this action exist, or None if not yet known."""
         if kind == "F":
             deps = [("F", stage - 1, mb)] if stage > 0 else []
         elif kind in ("B", "I"):

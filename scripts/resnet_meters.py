@@ -1,17 +1,8 @@
 """The benchmark's meters for rpc_pipeline_resnet, attached to the examples from outside.
 
-bench_rpc_pipeline_resnet.py hands ``Meter`` to main.py's ``run_master`` and ``StageMeter`` to
-pipelining.py's ``run_pipeline`` as part of their ``on_batch``. Around every batch after the
-warm-up both read the wall clock and every process's CPU seconds; after the run, each
-process's peak memory.
-
-Steady memory makes the timings trustworthy. Measured on the 2-core reference machine
-(docs/rpc_pipeline_resnet.md, "Why the first run was slow"): glibc's malloc hands the memory
-of large freed tensors back to the kernel (``munmap`` of big blocks, trimming of the heap top)
-and gives every new thread its own arena. The next batch then takes a page fault on every
-4 KiB page it touches again, about 2 us each, and the RPC agent runs each request on one of
-many pool threads, each with its own arena to fill. How much that costs depends on what ran
-before. ``steady_malloc`` keeps the memory (one arena, no mmap, no trim).
+``Meter`` (main.py) and ``StageMeter`` (pipelining.py) join the examples' ``on_batch``: wall
+and CPU seconds per batch, peak memory. ``steady_malloc``: else glibc returns freed tensors to
+the kernel and the next batch page-faults again (docs/rpc_pipeline_resnet.md, "Why the first run was slow").
 """
 from __future__ import annotations
 
@@ -33,12 +24,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 
 
 def steady_malloc() -> bool:
-    """Make glibc keep freed memory for reuse. Call early in every process; False elsewhere.
-
-    One arena for all threads (memory freed by one RPC thread is reused by the next), no
-    mmap for large blocks (they would be unmapped on free) and no trimming of the heap: after
-    the first batch of the largest size no page is faulted in again.
-    """
+    """Early in every process: glibc keeps freed memory (one arena, no mmap, no trim); False: not glibc."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to tune
@@ -57,8 +43,7 @@ def cores() -> frozenset[int]:
 
 
 def peak_memory_mb() -> float:
-    """This process's peak resident memory so far, MB (Linux's VmHWM: ``ru_maxrss`` would
-    carry over the launcher's peak, since a spawned process is forked from it)."""
+    """Peak resident MB so far: VmHWM, since ``ru_maxrss`` carries over the forking launcher's."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -81,8 +66,7 @@ def classic_bound(m: int, stages: int = 2) -> float:
 
 @dataclass
 class BatchLog:
-    """What a meter keeps of every batch: its seconds and CPU seconds (all processes), each
-    shard's CPU seconds (the last two processes hold the shards), every process's peak memory."""
+    """Per batch: seconds, CPU seconds (all processes, and the last two: the shards), peak memory."""
 
     warmup: int
     batch_times: list[float] = field(default_factory=list)
@@ -105,8 +89,7 @@ class BatchLog:
 
 
 class Meter:
-    """main.py's ``run_master``'s ``on_batch`` (the master): the master's and both shard
-    workers' CPU seconds, read over RPC as close to the batch's ends as RPC allows."""
+    """main.py's ``on_batch`` on the master: all three processes' CPU seconds, read over RPC."""
 
     def __init__(self, warmup: int) -> None:
         self.log = BatchLog(warmup)
@@ -118,8 +101,7 @@ class Meter:
 
     @contextlib.contextmanager
     def __call__(self, model, i: int) -> Iterator[None]:
-        # the wall clock runs from before the CPU clocks are read to after they are read
-        # again: every CPU second they count falls inside it
+        # the wall clock encloses both CPU readings: every CPU second counted falls inside it
         tik = time.perf_counter()
         before = self._all_stats(model)
         yield
@@ -138,9 +120,8 @@ def _gather(value: object) -> list:
 
 
 class StageMeter:
-    """pipelining.py's ``run_pipeline``'s ``on_batch``, on every rank: a batch's wall clock
-    runs from before a barrier both ranks pass before reading their CPU clocks to after one
-    both reach after reading them again (CPU seconds / cores <= wall holds, as for ``Meter``)."""
+    """pipelining.py's ``on_batch`` on every rank: barriers put both ranks' CPU readings inside
+    the wall clock (CPU seconds / cores <= wall, as for ``Meter``)."""
 
     def __init__(self, warmup: int) -> None:
         self.log = BatchLog(warmup)

@@ -1,10 +1,8 @@
-"""What the two parameter-server benchmarks share (bench_rpc_rnn.py, bench_ddp_rpc.py).
+"""What the RPC benchmarks share: phase clocks (bench_rpc_rnn, bench_ddp_rpc), the round trip (all three).
 
-``PhaseClock`` times a training loop's phases from outside (``dist_autograd.backward`` and
-``DistributedOptimizer.step`` wrapped with timers in the worker processes, the local loop's
-``backward()`` and ``step()`` with the same clock); ``launch_timed`` runs an example's
-``run_worker`` with it; ``rpc_round_trip`` measures a no-op ``rpc_sync``; ``summarize``,
-``print_tables`` and ``plot`` turn a distributed and a local run into a row, a table, a figure.
+``PhaseClock`` times a loop's forward, backward and step from outside (wrapping
+``dist_autograd.backward`` and ``DistributedOptimizer.step`` in the workers, the same clock
+around the local loop's); ``summarize``, ``print_tables`` and ``plot`` compare the two runs.
 """
 from __future__ import annotations
 
@@ -19,13 +17,13 @@ from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
 
 import distkit
 from benchlib import format_table, median, save_plot
 
 PHASES = ("forward", "backward", "step")
-
 
 
 @dataclass
@@ -48,11 +46,7 @@ class PhaseClock:
         self.marks.append((*self._backward, start, time.perf_counter()))
 
     def wrap_distributed(self) -> None:
-        """Time every ``dist_autograd.backward`` and ``DistributedOptimizer.step`` in this process.
-
-        The examples call both through the module and the class, so their loops are timed
-        as they are, without a line changed.
-        """
+        """Time ``dist_autograd.backward`` and ``DistributedOptimizer.step`` here; no example line changes."""
         backward, step = dist_autograd.backward, DistributedOptimizer.step
 
         def timed_backward(*args: Any, **kwargs: Any) -> None:
@@ -93,10 +87,29 @@ def launch_timed(run: Callable, args: argparse.Namespace, warmup: int) -> list[d
     return [phase_seconds(r["marks"], warmup) for _, r in sorted(out.items()) if r["marks"]]
 
 
+def _noop() -> None:
+    return None
+
+
+def rtt_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float] | None:
+    """Rank 0 times ``rpc_sync`` calls of a no-op on rank 1, over TCP only as rpc_rl does."""
+    options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"])
+    rpc.init_rpc(f"w{worker.rank}", rank=worker.rank, world_size=2, rpc_backend_options=options)
+    times = None
+    if worker.rank == 0:
+        for _ in range(20):  # warm-up: connections, thread pool
+            rpc.rpc_sync("w1", _noop)
+        times = []
+        for _ in range(args.rtt_calls):
+            start = time.perf_counter()
+            rpc.rpc_sync("w1", _noop)
+            times.append(time.perf_counter() - start)
+    rpc.shutdown()
+    return times
+
+
 def rpc_round_trip(calls: int) -> float:
     """Median seconds of a no-op ``rpc_sync`` between two processes of this machine."""
-    from bench_rpc_rl import rtt_worker  # lazily: it imports the RL example
-
     args = argparse.Namespace(world_size=2, ranks=None, master_addr=None, master_port=None,
                               device="cpu", threads=None, rtt_calls=calls)
     return median(distkit.launch(rtt_worker, args)[0])
@@ -136,8 +149,7 @@ def print_tables(rows: list[dict], extra: list[str], share: str) -> None:
 
 
 def plot(path: str | None, rows: list[dict], title: str, rest: str = "rpc") -> None:
-    """One bar per configuration: its distributed iteration, split into each phase's local
-    arithmetic (solid) and the rest of that phase (hatched), in % of the iteration."""
+    """One bar per configuration: each phase's local arithmetic (solid) and rest (hatched), in %."""
     def draw(ax):
         colors = dict(zip(PHASES, ("tab:blue", "tab:orange", "tab:green")))
         x = range(len(rows))

@@ -1,14 +1,8 @@
 """Spans of torch.distributed.pipelining's stages, for every schedule, without copying one.
 
-The benchmark of pipelining_transformer measures each rank's compute with it (its bubble).
-``record_into(recorder)`` wraps (once per process) the stages' compute,
-``forward_one_chunk`` (F), ``backward_one_chunk`` (B) and ``backward_weight_one_chunk`` (W),
-the loss the schedule computes after the last stage's forward (counted in that F), and the
-schedules' waits on their P2P work objects (``send``, ``recv``, ``wait``), and records them
-into ``recorder`` (and every other recorder it was given) until ``stop_recording(recorder)``.
-``end_step()`` after each ``schedule.step``.
-Why not torch.profiler (which the example's --trace uses): Schedule1F1B (torch 2.14) records
-no span of its own, and no schedule records its waits on P2P work by stage and micro-batch.
+``record_into`` wraps the stages' F, B, W (loss in the last F) and the P2P waits, once per
+process; ``end_step()`` after each ``schedule.step``. Not torch.profiler: Schedule1F1B (torch
+2.14) records no span, and no schedule its P2P waits.
 """
 from __future__ import annotations
 
@@ -18,9 +12,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-# Private in torch 2.14.1 (pinned: re-check on upgrade). _PipelineStageBase and the two P2P
-# helpers are where every schedule's compute and waits happen, so wrapping them observes
-# all of it without copying a schedule's loop.
+# Private in torch 2.14.1 (pinned: re-check on upgrade): every schedule's compute and waits
+# happen here, so wrapping them observes all of it without copying a schedule's loop.
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
@@ -75,18 +68,18 @@ def _install() -> None:
         return
     _installed = True
 
-    def timed(cls, name: str, kind_of):
+    def timed(cls, name: str, kind: str):
         fn = getattr(cls, name)
 
         @functools.wraps(fn)
         def wrapper(stage, chunk, *args, **kwargs):
-            with _span(kind_of(kwargs), stage.stage_index, chunk):
+            with _span(kind, stage.stage_index, chunk):
                 return fn(stage, chunk, *args, **kwargs)
         setattr(cls, name, wrapper)
 
-    timed(_PipelineStageBase, "forward_one_chunk", lambda kw: "F")
-    timed(_PipelineStageBase, "backward_one_chunk", lambda kw: "B")
-    timed(_PipelineStageBase, "backward_weight_one_chunk", lambda kw: "W")
+    for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
+                       ("backward_weight_one_chunk", "W")):
+        timed(_PipelineStageBase, name, kind)
 
     loss_fn = _schedules._PipelineSchedule._maybe_compute_loss
 

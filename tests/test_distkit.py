@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import importlib
 import os
 import signal
 import threading
@@ -294,6 +295,32 @@ def test_the_profiler_records_every_thread(tmp_path):
         thread.join()
     events = json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
     assert any(e.get("name") == "on another thread" for e in events)
+
+
+def _stop_holding_the_timer_pipe(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    """Stop as a rank stopped between opening its file timer's pipe and writing to it does."""
+    from distkit.watchdog import TIMER_FILE
+
+    held = os.open(os.environ[TIMER_FILE], os.O_WRONLY | os.O_NONBLOCK)
+    time.sleep(1)  # the server is now blocked in readline on this open, silent writer
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(60)
+    os.close(held)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_while_its_timer_server_is_blocked_is_still_killed(monkeypatch, capsys):
+    """torchrun's file timer server reads its pipe with a blocking readline: a rank stopped
+    with the pipe open blocks it for good (seen once in the cross-host hang test). The job's
+    own look at its ranks is the backstop: with it off (hang_timeout 0) this waits for ever."""
+    # the launcher's limit becomes 1 + 5 s (the module: distkit.launch is also the function)
+    monkeypatch.setattr(importlib.import_module("distkit.launch"), "TIMER_MARGIN", 0.0)
+    args = launch_args("--hang_timeout", "1", world_size=1)
+    start = time.monotonic()
+    with pytest.raises(SystemExit):
+        distkit.launch(_stop_holding_the_timer_pipe, args)
+    assert "rank 0 was frozen" in capsys.readouterr().err
+    assert time.monotonic() - start < 30
 
 
 def _raise_while_peer_stopped(worker: distkit.Worker, args: argparse.Namespace) -> None:

@@ -506,9 +506,12 @@ def _hang_jobs(hosts: list[Host]) -> tuple[list[HangJob], list[tuple[Host, list[
     found, commands = [], []
     for k, case in enumerate(HANG_PORTS):
         pair = hosts[2 * k:2 * k + 2]
-        kinds = [("pipelining_transformer", "torchrun"), ("rpc_rnn", "torchrun")]
-        if case == "rank_stopped":
-            kinds.append(("pipelining_transformer", "distkit"))
+        # the watchdog and the store are distkit's, one for every example: a lost host once
+        # per case (on one machine: tests/test_hangs.py runs each kind of example)
+        kinds = {"rank_stopped": [("pipelining_transformer", "torchrun"), ("rpc_rnn", "torchrun"),
+                                  ("pipelining_transformer", "distkit")],
+                 "second_host_lost": [("pipelining_transformer", "torchrun")],
+                 "first_host_lost": [("rpc_rnn", "torchrun")]}[case]
         for i, (example, launcher) in enumerate(kinds):
             argv = PIPELINE_HANG if example == "pipelining_transformer" else RNN_HANG
             ifaces = PIPELINE_IFACES if example == "pipelining_transformer" else RPC_IFACES

@@ -23,7 +23,7 @@ from torch.distributed.rpc import RRef
 import distkit
 from conftest import checked_args, keep_weights, refused_before_launch, run_cli, run_torchrun, state_copy
 import rpc_pipeline_resnet.main as example
-from rpc_pipeline_resnet.main import (WORKERS, final_feature_size,
+from rpc_pipeline_resnet.main import (WORKERS, feature_size,
                                       main, rpc_backend_options, run_worker)
 from rpc_pipeline_resnet.model import DistResNet50, ResNetShard1, ResNetShard2
 
@@ -195,7 +195,7 @@ def test_final_feature_size_matches_the_model():
     with torch.no_grad():
         for size in (32, 33, 40):
             features = s2.seq[:2](s1.seq(torch.zeros(1, 3, size, size)))
-            assert features.shape[-1] == final_feature_size(size), size
+            assert features.shape[-1] == feature_size(size, 5), size
 
 
 SMALL = ("--batch_size", "4", "--image_size", "32", "--num_batches", "1", "--warmup", "0",
