@@ -136,7 +136,7 @@ def save(root: str | os.PathLike, step: int, parts: Parts, data: Mapping[str, in
     return path
 
 
-def _why(error: Exception) -> str:
+def why(error: BaseException) -> str:
     """An exception as a few words on one line: error messages here stay one line."""
     first = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
@@ -169,7 +169,7 @@ def problem(path: str | os.PathLike) -> str | None:
     try:  # the right size does not make it readable, and a damaged .metadata fails every load
         _metadata(path)
     except Exception as e:  # unpickling a damaged file can raise almost anything
-        return f"its .metadata cannot be read ({_why(e)})"
+        return f"its .metadata cannot be read ({why(e)})"
     return None
 
 
@@ -209,14 +209,14 @@ def incompatibility(path: str | os.PathLike, model_args: ModelArgs, optimizer: s
     try:
         saved = _metadata(path)
     except Exception as e:  # unpickling a damaged file can raise almost anything
-        return f"its .metadata cannot be read ({_why(e)})"
+        return f"its .metadata cannot be read ({why(e)})"
     missing = [f"--{flag}" for flag in DATA_FLAGS if f"progress.{flag}" not in saved]
     if missing:
         return f"it does not record its data settings ({', '.join(missing)})"
     try:
         was = _saved_data(path)
     except Exception as e:
-        return f"its data settings cannot be read ({_why(e)})"
+        return f"its data settings cannot be read ({why(e)})"
     # checked before the shapes, so that another --vocab_size is named as such
     differ = [flag for flag in DATA_FLAGS if was[flag] != data[flag]]
     if differ:

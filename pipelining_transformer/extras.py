@@ -177,7 +177,7 @@ class Checkpoints(StepCallback):
             except (Exception, CheckpointException) as e:
                 previous = checkpoint.latest_complete(self.args.checkpoint_dir)
                 raise RuntimeError(f"--checkpoint_dir {self.args.checkpoint_dir}: cannot save step "
-                                   f"{done} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); the newest complete checkpoint "
+                                   f"{done} ({checkpoint.why(e)}); the newest complete checkpoint "
                                    f"is {previous or 'none'} (--resume goes on from it)") from e
             log.info(f"checkpoint {path} complete")
 

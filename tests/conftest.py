@@ -13,8 +13,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:  # not at run time: no torch before pytest_configure
+    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # the sections of every example README that tests/test_tutorial_maps.py reads
@@ -226,6 +230,16 @@ def assert_all_gone(pids: list[int], within: float) -> None:
     while time.time() < deadline and any(map(alive, pids)):
         time.sleep(0.1)
     assert not [p for p in pids if alive(p)], "processes left behind"
+
+
+class Here:
+    """Stands in for an RRef in one process: rpc_pipeline_resnet's shards call ``to_here()``."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def to_here(self) -> torch.Tensor:
+        return self.value
 
 
 # A pipelining_transformer run's --loss_log, and torchrun's restarted workers.

@@ -336,9 +336,9 @@ def _raise_while_peer_stopped(worker: distkit.Worker, args: argparse.Namespace) 
 
 
 def _proc_state(pid_file: Path) -> str | None:
-    try:
-        return Path(f"/proc/{int(pid_file.read_text())}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, ValueError):
+    try:  # the job's own reading of /proc (the module: distkit.launch is also the function)
+        return importlib.import_module("distkit.launch")._state(int(pid_file.read_text()))[0]
+    except (OSError, ValueError):  # not written yet
         return None
 
 

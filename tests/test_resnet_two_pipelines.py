@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.optim as optim
 
 import distkit
-from conftest import REPO, keep_weights, refused_before_launch, run_cli, run_torchrun
+from conftest import REPO, Here, keep_weights, refused_before_launch, run_cli, run_torchrun
 import rpc_pipeline_resnet.main as rpc_example
 import rpc_pipeline_resnet.pipelining as pp_example
 from distkit.schedules import schedule_problem
@@ -75,16 +75,6 @@ def runs(tmp_path_factory) -> dict[str, tuple[argparse.Namespace, list[dict]]]:
         "1F1B": launch(pp_example, _pp_worker, "--world_size", "2", "--splits", str(SPLITS[-1]),
                        "--schedule", "1F1B"),
     }
-
-
-class Here:
-    """Stands in for an RRef in one process: the shards' forward calls ``to_here()``."""
-
-    def __init__(self, value: torch.Tensor) -> None:
-        self.value = value
-
-    def to_here(self) -> torch.Tensor:
-        return self.value
 
 
 def one_process(num_split: int, batches: int) -> tuple[list[float], list[dict]]:

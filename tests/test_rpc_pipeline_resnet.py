@@ -21,7 +21,7 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
 import distkit
-from conftest import checked_args, keep_weights, refused_before_launch, run_cli, run_torchrun, state_copy
+from conftest import Here, checked_args, keep_weights, refused_before_launch, run_cli, run_torchrun, state_copy
 import rpc_pipeline_resnet.main as example
 from rpc_pipeline_resnet.main import (WORKERS, feature_size,
                                       main, rpc_backend_options, run_worker)
@@ -97,16 +97,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class Here:
-    """Stands in for an RRef in one process: the shards' forward calls ``to_here()``."""
-
-    def __init__(self, value: torch.Tensor) -> None:
-        self.value = value
-
-    def to_here(self) -> torch.Tensor:
-        return self.value
 
 
 def local_shards(states: list[dict]) -> tuple[ResNetShard1, ResNetShard2]:

@@ -277,21 +277,17 @@ def test_one_observer_run_equals_single_process_reinforce(batch):
         torch.testing.assert_close(out["policy"][name], p, msg=lambda m: f"{name}: {m}")
 
 
-def test_one_observer_fixed_seed_is_reproducible():
+def test_another_seed_gives_another_run():
+    # one seed, one run: test_one_observer_run_equals_single_process_reinforce (a seeded run
+    # equals its one-process replay); here the seed is seen to matter
     argv = ("--world_size", "2", "--max_episodes", "4", "--log_interval", "100")
     first = distkit.launch(run_worker, make_args(*argv, "--seed", "3"))[0]["rewards"]
-    second = distkit.launch(run_worker, make_args(*argv, "--seed", "3"))[0]["rewards"]
     other = distkit.launch(run_worker, make_args(*argv, "--seed", "4"))[0]["rewards"]
     assert len(first) == 4
-    assert first == second
     assert first != other
 
 
-def test_cli_stops_at_max_episodes_with_clear_message():
-    proc = run_cli("rpc_rl/main.py", "--world_size", "2", "--max_episodes", "2", "--log_interval", "1")
-    assert proc.returncode == 1, proc.stderr
-    assert "Episode 2\tLast reward:" in proc.stdout
-    assert "Not solved" in proc.stderr
+# the CLI stopping at --max_episodes, exit 1 and "Not solved": test_quiet_output.py's rpc_rl run
 
 
 def test_torchrun_launch_solves_easy_threshold():
