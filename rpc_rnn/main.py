@@ -104,8 +104,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
     """The tutorial's training loop (runs on the trainer), its sizes from the flags.
 
     What goes beyond the tutorial enters through ``record`` (rpc_rnn/record.py), one call per
-    phase: the parameters before training, every batch's loss, each epoch's mean loss and
-    seconds for its line, and the result (the losses, the parameters before and after).
+    phase: every batch's loss, each epoch's mean loss and seconds for its line, the losses.
     """
     model = RNNModel(PS_NAME, args.ntoken, args.ninp, args.nhid, args.nlayers,
                      args.dropout, args.device, seed=args.seed)
@@ -115,7 +114,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
     stream = make_stream(args.ntoken, args.pattern_len, args.batch_size,
                          args.batches * args.seq_len + 1, args.seed)
     shape = (args.nlayers, args.batch_size, args.nhid)
-    record = TrainingRecord.start(model)  # beyond the tutorial: see rpc_rnn/record.py
+    record = TrainingRecord.start()  # beyond the tutorial: see rpc_rnn/record.py
     for epoch in range(args.epochs):
         # each epoch restarts the stream, so it restarts the LSTM state too
         hidden = (torch.zeros(shape), torch.zeros(shape))
@@ -135,7 +134,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
                 # context, on every worker involved, and each iteration opens a new context.
             record.step(loss)
         log.info(f"Training epoch {epoch}\t{record.end_epoch()}")
-    return record.result(model)
+    return record.result()
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:

@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.optim as optim
 
 import distkit
-from conftest import FLOAT32, checked_args, run_cli, run_torchrun
-from rpc_rnn.main import get_next_batch, make_stream, run_worker
+from conftest import FLOAT32, checked_args, run_cli, run_torchrun, state_copy
+from rpc_rnn.main import get_next_batch, make_stream
 from rpc_rnn.rnn import Decoder, EmbeddingTable
 
 SIZES = dict(ntoken=7, ninp=4, nhid=5, nlayers=2, seq_len=3, batch_size=4)
@@ -73,6 +73,39 @@ def reference_training(args: argparse.Namespace, initial: dict) -> tuple[list[fl
     return epoch_losses, dict(ref.named_parameters())
 
 
+def weights(model) -> dict[str, torch.Tensor]:
+    """CPU copies of an ``RNNModel``'s parameters, remote (through RPC) or local, named as in
+    a one-process model."""
+    import torch.distributed.rpc as rpc
+
+    def remote(rref) -> dict:
+        return rpc.rpc_sync(rref.owner(), state_copy, args=(rref,))
+
+    local = {f"rnn.{k}": v.detach().clone() for k, v in model.rnn.named_parameters()}
+    return remote(model.emb_table_rref) | local | remote(model.decoder_rref)
+
+
+def keeping_weights(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    """rpc_rnn's ``run_worker``, with the trainer's model's weights kept before and after
+    training, beside what ``run_trainer`` returns (the example keeps none)."""
+    import rpc_rnn.main as example
+
+    built, run_trainer = [], example.run_trainer
+
+    class Kept(example.RNNModel):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            built.append((self, weights(self)))
+
+    def kept_run_trainer(a: argparse.Namespace) -> dict:
+        out = run_trainer(a)
+        model, initial = built[0]
+        return {**out, "initial": initial, "final": weights(model)}  # before rpc.shutdown()
+
+    example.RNNModel, example.run_trainer = Kept, kept_run_trainer
+    return example.run_worker(worker, args)
+
+
 SMALL_RUN = [x for k, v in SIZES.items() for x in (f"--{k}", str(v))] + [
     "--pattern_len", "5", "--epochs", "2", "--batches", "2", "--lr", str(LR), "--seed", "4"]
 
@@ -82,7 +115,7 @@ def test_run_trainer_matches_single_process_training():
     """The example's own run_trainer (2 epochs of 2 batches: the hidden state carried from
     batch to batch and reset every epoch) against the same training in one process."""
     args = make_args(*SMALL_RUN, "--dropout", "0")  # no dropout: no random masks to match
-    out = distkit.launch(run_worker, args)[1]
+    out = distkit.launch(keeping_weights, args)[1]
     # the remote modules' initial weights come from the seed alone, not from the order in
     # which the parameter server's RPC threads happened to build them
     emb = EmbeddingTable(args.ntoken, args.ninp, 0.0, "cpu", seed=4)
@@ -101,7 +134,7 @@ def test_run_trainer_matches_single_process_training():
 def test_two_runs_give_identical_losses():
     """Dropout on (its masks drawn on both processes): still the same numbers every run."""
     args = make_args(*SMALL_RUN, "--dropout", "0.3")
-    first, second = (distkit.launch(run_worker, args)[1] for _ in range(2))
+    first, second = (distkit.launch(keeping_weights, args)[1] for _ in range(2))
     assert first["losses"] == second["losses"]
     for name, p in first["final"].items():
         assert torch.equal(second["final"][name], p), name
