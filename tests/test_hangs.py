@@ -25,12 +25,12 @@ HANG_TIMEOUT = 5
 # machine adds start-up noise
 MARGIN = 25
 
-# the rank whose stop ends the job: the one that drives the others in an RPC job (rpc_rl's
-# agent; ddp_rpc's master, whose trainers go on without it), and each rank of a pipeline.
-# The watchdog is the same code in every example: rpc_rnn's trainer, rpc_pipeline_resnet's
-# master and pipelining.py's rank 1 took a minute of the suite and guarded nothing more
-STOPPED = [("rpc_rl", 0), ("ddp_rpc", 2), ("pipelining_transformer", 0),
-           ("pipelining_transformer", 1)]
+# the rank whose stop ends the job: one RPC job's driver (rpc_rl's agent) and one rank of a
+# process-group job (the pipeline's first stage; under torchrun, the test below stops rank 1).
+# The watchdog is the same code in every example: the other examples' cases took two
+# minutes of the suite and guarded nothing more (with the claim's silent ranks emptied, the
+# pipeline's case here and the torchrun one fail)
+STOPPED = [("rpc_rl", 0), ("pipelining_transformer", 0)]
 
 
 def check_report(text: str, stopped: int, ranks: list[int]) -> None:

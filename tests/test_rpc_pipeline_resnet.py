@@ -180,7 +180,7 @@ def test_a_diverging_run_stops_with_an_error(capfd):
     assert re.search(r"FloatingPointError: the loss is (nan|inf) at batch \d with 2 splits", err), err
 
 
-def test_final_feature_size_matches_the_model():
+def test_feature_size_matches_the_model():
     s1, s2 = ResNetShard1("cpu", num_classes=2).eval(), ResNetShard2("cpu", num_classes=2).eval()
     with torch.no_grad():
         for size in (32, 33, 40):
