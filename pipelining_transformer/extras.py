@@ -33,6 +33,7 @@ import distkit
 from pipelining_transformer import checkpoint, dp, workarounds
 from pipelining_transformer.cli import data_settings_from, layout_from
 
+log = logging.getLogger(__name__)
 
 
 class Replica(Protocol):
@@ -43,8 +44,6 @@ class Replica(Protocol):
 
     @property
     def dp_rank(self) -> int: ...
-
-log = logging.getLogger(__name__)
 
 
 def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: Replica) -> list[PipelineStage]:

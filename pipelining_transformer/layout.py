@@ -21,7 +21,6 @@ from pipelining_transformer import balance
 from pipelining_transformer.model import Transformer
 
 
-
 class Place(Protocol):
     """``main.DistEnv`` as this module sees it (main imports this module)."""
 
