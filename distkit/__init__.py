@@ -1,39 +1,14 @@
 """The little every example needs: launching, rendezvous, devices, logging and cleanup.
 
-Modules, each importing only those listed before it:
-  rendezvous  the job's store and its key prefixes (spawned, torchrun, several machines)
-  device      device and backend per rank; backends agreed across machines
-  watchdog    --hang_timeout: a job that stops making progress ends, with every rank's stack
-  worker      what runs inside every rank: logging, threads, cleanup, exit
-  launch      Job: what the examples' mp.spawn needs beside it (the store, results, reports)
-  args        the shared flags and their one-line refusals before launch
-  profiling   --trace: torch.profiler's Chrome trace of each rank, every thread
-  schedules   the pipelining schedules, where each puts its stages, and whether one can run a
-              micro-batch count: both pipeline examples check it (imported on its own)
-
-The distributed logic of each tutorial stays in its own package; this one only gets the
-processes started, talking to each other, and reliably stopped.
-"""
-from .args import (
-    ArgumentParser,
-    add_launch_args,
-    check_finite,
-    check_launch_args,
-    check_path,
-    check_placements,
-    require_positive,
-)
-from .device import (
-    DeviceError,
-    Placement,
-    agree_on_backend,
-    backend_for,
-    gpu_count,
-    group_placement,
-    pick_device,
-    take_placement,
-    threads_per_process,
-)
+Modules, each importing only those listed before it: rendezvous (the job's store), device
+(device and backend per rank), watchdog (--hang_timeout), worker (what runs inside every rank),
+launch (``Job``, beside ``mp.spawn``), args (the shared flags and their checks), profiling
+(--trace), schedules (the pipelining schedules, for both pipeline examples; imported on its own).
+The distributed logic of each tutorial stays in its own package."""
+from .args import (ArgumentParser, add_launch_args, check_finite, check_launch_args, check_path,
+                   check_placements, require_positive)
+from .device import (DeviceError, Placement, agree_on_backend, backend_for, gpu_count, group_placement,
+                     pick_device, take_placement, threads_per_process)
 from .launch import Job, launch, local_workers, parse_ranks
 from .profiling import profiled
 from .rendezvous import job_store, process_group_store, under_torchrun
@@ -42,7 +17,7 @@ from .worker import Worker, cleanup, exit_process, silence_torchscript_optimizer
 __all__ = [
     "ArgumentParser", "DeviceError", "Job", "Placement", "Worker", "add_launch_args", "agree_on_backend",
     "backend_for", "check_finite", "check_launch_args", "check_path", "check_placements", "cleanup",
-    "exit_process", "gpu_count", "group_placement", "job_store", "launch", "local_workers",
-    "parse_ranks", "pick_device", "profiled", "process_group_store", "require_positive",
+    "exit_process", "gpu_count", "group_placement", "job_store", "launch", "local_workers", "parse_ranks",
+    "pick_device", "profiled", "process_group_store", "require_positive",
     "silence_torchscript_optimizer_warning", "take_placement", "threads_per_process", "under_torchrun",
 ]

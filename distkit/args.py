@@ -1,12 +1,5 @@
-"""The flags every example shares, and one-line refusals of bad input before launch.
-
-``check_path`` is the one check of every flag that names a file or a directory: a run must
-not train for an hour and then fail on the path it writes to.
-
-``ArgumentParser`` turns every error into one line and exit status 2; ``add_launch_args``
-and ``check_launch_args`` are the launch flags (``--world_size``, ``--master_addr``,
-``--ranks``, ``--device``, ``--threads``, ``--rpc_timeout``) and their checks.
-"""
+"""The flags every example shares, and one-line refusals (exit 2) of bad input before launch:
+``check_path`` for every path flag, so that no run trains for an hour and then fails on its path."""
 from __future__ import annotations
 
 import argparse
@@ -35,23 +28,16 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line (no usage dump) and exit with status 2."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _HelpFormatter)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{"formatter_class": _HelpFormatter, **kwargs})
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None,
-                    rpc_timeout: float | None = None, device: bool = True,
-                    hang_timeout: float = 120) -> None:
-    """The flags every example shares. ``world_size=None``: torchrun or --world_size decides.
-
-    ``rpc_timeout`` (seconds), for the RPC examples, becomes the ``--rpc_timeout`` default:
-    no RPC waits longer for a peer that is gone. ``device=False``: no ``--device`` flag, for
-    an example that runs on the CPU whatever is there (it would be a flag that does nothing).
-    ``hang_timeout`` (seconds) becomes the ``--hang_timeout`` default (watchdog.py).
-    """
+def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc_timeout: float | None = None,
+                    device: bool = True, hang_timeout: float = 120) -> None:
+    """The launch flags. ``world_size=None``: torchrun or --world_size decides; ``rpc_timeout`` (RPC
+    examples): no RPC waits longer for a gone peer; ``device=False``: CPU only, no --device flag."""
     g = parser.add_argument_group("launch")
     g.add_argument("--hang_timeout", type=float, default=hang_timeout, metavar="S",
                    help="end the job, with every rank's stack, when no rank has made progress "
@@ -62,9 +48,7 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None,
     g.add_argument("--world_size", type=int, default=None,
                    help=f"number of processes in the job (default: {world_size or 'required'}; "
                         "under torchrun: torchrun's)")
-    # kept apart from --world_size's own default, so that torchrun's WORLD_SIZE can win
-    # over the example's default but not over a --world_size the user typed
-    parser.set_defaults(default_world_size=world_size)
+    parser.set_defaults(default_world_size=world_size)  # torchrun's WORLD_SIZE wins over it, not the flag
     g.add_argument("--master_addr", default=None,
                    help="address of the machine running rank 0 (default: 127.0.0.1, this machine)")
     g.add_argument("--master_port", type=int, default=None,
@@ -113,21 +97,13 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def require_positive(parser: argparse.ArgumentParser, flag: str, value: float) -> None:
-    """A one-line error unless ``value`` is a positive, finite number.
-
-    argparse's ``float`` accepts "nan" and "inf", and ``nan <= 0`` is False, so a plain
-    ``value <= 0`` check lets both through.
-    """
+    """A one-line error unless ``value`` is positive and finite (``nan <= 0`` is False)."""
     if not (math.isfinite(value) and value > 0):
         parser.error(f"{flag} must be a positive number, got {value}")
 
 
 def check_finite(loss: float, where: str) -> float:
-    """``loss`` if it is a finite number, else FloatingPointError naming ``where``.
-
-    A nan or inf loss poisons every parameter at the next step, and training on from there
-    prints nan and exits 0: stop the job instead (the launcher reports it, exit status 1).
-    """
+    """``loss`` if finite, else FloatingPointError: training on from a nan loss prints nan and exits 0."""
     if not math.isfinite(loss):
         raise FloatingPointError(f"the loss is {loss} at {where}: training diverged "
                                  "(try a lower --lr or other sizes)")
@@ -136,8 +112,7 @@ def check_finite(loss: float, where: str) -> float:
 
 def check_placements(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      placement: Callable[[Worker, argparse.Namespace], Placement]) -> None:
-    """Ask an example's ``placement(worker, args)`` for every local process before any starts:
-    a device this machine cannot provide is a one-line error (exit 2), not a worker's crash."""
+    """``placement(worker, args)`` of every local process before any starts: a refusal is exit 2."""
     for worker in local_workers(args):
         try:
             placement(worker, args)
@@ -149,15 +124,8 @@ PATH_KINDS = ("out_dir", "out_file", "in_file", "in_dir")
 
 
 def path_problem(path: str, kind: str) -> str | None:
-    """Why ``path`` cannot serve as ``kind``, or None. Kinds:
-
-    ``out_dir``   a directory the run creates (with missing parents) or writes into
-    ``out_file``  a file the run creates (and its directory, if missing), overwrites or appends to
-    ``in_file``   a file the run reads; ``in_dir``: a directory the run reads
-
-    Writability is tried, not read from the mode bits: root passes ``os.access`` everywhere,
-    and a read-only mount or a full quota only shows when a file is made.
-    """
+    """Why ``path`` cannot serve as ``kind`` (made or written: ``out_*``; read: ``in_*``), or None.
+    Writing is tried: root passes ``os.access``, and a read-only mount shows only when a file is made."""
     if kind not in PATH_KINDS:
         raise ValueError(f"kind must be one of {PATH_KINDS}, got {kind!r}")
     given = os.path.abspath(path)
@@ -166,10 +134,8 @@ def path_problem(path: str, kind: str) -> str | None:
         if not os.path.exists(path):
             return "no such " + ("directory" if want_dir else "file")
         if os.path.isdir(path) != want_dir:
-            return "is a directory, not a file" if not want_dir else "is a file, not a directory"
-        if not os.access(path, os.R_OK):
-            return "cannot be read"
-        return None
+            return "is a file, not a directory" if want_dir else "is a directory, not a file"
+        return None if os.access(path, os.R_OK) else "cannot be read"
     if kind == "out_file":
         if os.path.isdir(path):
             return "is a directory, not a file"
@@ -179,28 +145,20 @@ def path_problem(path: str, kind: str) -> str | None:
             except OSError as e:
                 return f"cannot be written ({e.strerror})"
             return None
-        # a new file: its directory is made if missing, so it must be one that can be
-        path = os.path.dirname(os.path.abspath(path))
-    # out_dir: every existing part of the path must be a directory, the nearest one writable
-    nearest = os.path.abspath(path)
+        path = os.path.dirname(given)  # a new file: its directory is made if missing, so must be makeable
+    nearest = os.path.abspath(path)  # every existing part must be a directory, the nearest writable
     while not os.path.exists(nearest):
         nearest = os.path.dirname(nearest)
     if not os.path.isdir(nearest):
         return "is a file, not a directory" if nearest == given else f"{nearest} is a file, not a directory"
-    return _cannot_create_in(nearest)
-
-
-def _cannot_create_in(directory: str) -> str | None:
     try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+        with tempfile.NamedTemporaryFile(dir=nearest, prefix=".write-check-"):
             return None
     except OSError as e:
-        return f"cannot write in {directory} ({e.strerror})"
+        return f"cannot write in {nearest} ({e.strerror})"
 
 
 def check_path(parser: argparse.ArgumentParser, flag: str, path: str | None, kind: str) -> None:
     """One line and exit 2, before anything starts, unless ``path`` (when given) serves as ``kind``."""
-    if path is not None:
-        problem = path_problem(path, kind)
-        if problem:
-            parser.error(f"{flag} {path}: {problem}")
+    if path is not None and (problem := path_problem(path, kind)):
+        parser.error(f"{flag} {path}: {problem}")

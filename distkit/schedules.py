@@ -1,8 +1,5 @@
-"""The pipelining schedules PyTorch exports, where each puts its stages, and whether one can
-run a micro-batch count: what both pipeline examples (pipelining_transformer and
-rpc_pipeline_resnet/pipelining.py) check before they launch. Imported on its own, as
-``distkit.schedules``.
-"""
+"""The pipelining schedules PyTorch exports, where each puts its stages, and whether one can run a
+micro-batch count: both pipeline examples check it before launch (imported on its own)."""
 from __future__ import annotations
 
 import torch.distributed.pipelining as pipelining
@@ -14,8 +11,7 @@ SCHEDULES: dict[str, type] = {
     name.removeprefix("Schedule"): getattr(pipelining, name)
     for name in pipelining.__all__ if name.startswith("Schedule")
 }
-# These schedules place a rank's two stages as a "V" (rank r: stages r and 2W-1-r, so the
-# last stage sits beside the first); the other multi-stage ones loop (rank r: r, r+W, ...).
+# a "V" (rank r: stages r and 2W-1-r, the last beside the first); other multi-stage ones loop: r, r+W
 V_SHAPED = {"ZBVZeroBubble", "DualPipeV"}
 STAGES_PER_RANK_MULTI = 2
 
@@ -49,13 +45,9 @@ class _StubStage:
 
 
 def schedule_problem(schedule: str, world_size: int, n_microbatches: int) -> str | None:
-    """Why ``schedule`` cannot run ``n_microbatches`` on ``world_size`` ranks, or None.
-
-    Each schedule computes and checks the timetable of every rank in its constructor, so
-    building it around stand-in stages asks PyTorch itself, before any process starts.
-    """
-    n_stages = num_stages_for(schedule, world_size)
-    cls = SCHEDULES[schedule]
+    """Why ``schedule`` cannot run ``n_microbatches`` on ``world_size`` ranks, or None, from PyTorch:
+    each schedule's constructor checks every rank's timetable, here around stand-in stages."""
+    n_stages, cls = num_stages_for(schedule, world_size), SCHEDULES[schedule]
     for rank in range(world_size):
         stubs = [_StubStage(i, n_stages, rank, world_size)
                  for i in stage_indices_for(schedule, rank, world_size)]
