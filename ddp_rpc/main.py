@@ -1,25 +1,6 @@
-"""DistributedDataParallel and the Distributed RPC framework in one model.
-
-Mirrors "Combining Distributed DataParallel with Distributed RPC Framework". A
-``HybridModel`` looks up an ``nn.EmbeddingBag`` held on a parameter server (over RPC, through
-a ``RemoteModule``) and feeds it to an ``nn.Linear`` replicated on the trainers with DDP;
-distributed autograd and a ``DistributedOptimizer`` train both parts. Roles (4 processes):
-  ranks 0, 1  trainers: their own process group for DDP, then RPC (ddp_rpc/trainer.py)
-  rank 2      master: creates the embedding table on the parameter server, starts
-              ``_run_trainer`` on every trainer with ``rpc_async`` and waits for them
-  rank 3      parameter server: holds the table and answers RPCs
-With --world_size N: ranks 0..N-3 train, N-2 is the master, N-1 the parameter server.
-
-Run on one machine (spawns the processes; CPU + gloo, or CUDA + NCCL for the trainers
-where there is a GPU per trainer):
-    python ddp_rpc/main.py
-    python ddp_rpc/main.py --epochs 20 --batch_size 32 --seed 1
-One rank per process under torchrun works too:
-    torchrun --nproc_per_node 4 ddp_rpc/main.py
-Each trainer logs its loss per epoch; the master prints a summary at the end. What goes
-beyond the tutorial (loss records, the nan check, the summary, the master's bounded wait)
-is in ddp_rpc/report.py.
-"""
+"""DistributedDataParallel and the Distributed RPC framework in one model ("Combining Distributed DataParallel
+with Distributed RPC Framework"): ranks 0..N-3 train (trainer.py), N-2 is the master, N-1 the parameter
+server; beyond the tutorial: report.py. Run: python ddp_rpc/main.py (or torchrun --nproc_per_node 4)."""
 from __future__ import annotations
 
 import argparse
@@ -48,8 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="passes over each trainer's batches")
     parser.add_argument("--batches_per_epoch", type=int, default=10, metavar="B",
                         help="batches per trainer per epoch")
-    parser.add_argument("--batch_size", type=int, default=16, metavar="N",
-                        help="bags (samples) per batch")
+    parser.add_argument("--batch_size", type=int, default=16, metavar="N", help="bags (samples) per batch")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, metavar="S",
                         help="seeds the weights and every trainer's batches")
@@ -73,13 +53,12 @@ def num_trainers(world_size: int) -> int:
 
 
 def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """A trainer: a GPU of its own and NCCL where its machine has one per trainer, else the
-    CPU and gloo. The master and the parameter server: the CPU, in no process group."""
+    """A trainer: a GPU of its own and NCCL where its machine has one per trainer, else the CPU and
+    gloo. The master and the parameter server: the CPU, in no process group."""
     trainers = num_trainers(worker.world_size)
     if worker.rank >= trainers:
         return distkit.Placement(torch.device("cpu"))
-    # the ranks of one machine are consecutive and trainers come first: this machine's
-    # trainers are its first ones, and local_rank numbers them
+    # a machine's ranks are consecutive and trainers come first: local_rank numbers this machine's
     first_here = worker.rank - worker.local_rank
     local_trainers = min(trainers, first_here + worker.local_world_size) - first_here
     return distkit.group_placement(args.device, worker.local_rank, local_trainers)
@@ -89,15 +68,13 @@ def run_master(args: argparse.Namespace) -> dict:
     """The master: create the table on the parameter server, train on every trainer."""
     trainers = num_trainers(args.world_size)
     config = TrainConfig(args.epochs, args.batches_per_epoch, args.batch_size, args.lr, args.seed)
-    # The embedding table lives on "ps"; the master, and every trainer it hands this
-    # RemoteModule to, only hold a reference to it.
+    # The embedding table lives on "ps"; the master and the trainers only hold a reference to it.
     remote_emb_module = RemoteModule("ps", torch.nn.EmbeddingBag,
                                      args=(NUM_EMBEDDINGS, EMBEDDING_DIM), kwargs={"mode": "sum"})
     # beyond the tutorial: logs the start, keeps the table before training and starts the clock
     report = MasterReport(remote_emb_module, config, trainers)
 
-    # Run the training loop on trainers. timeout=0: a whole training run may take longer
-    # than --rpc_timeout; wait_for_trainers bounds the wait for a trainer that hangs instead.
+    # Run the training loop on trainers. timeout=0: a whole training run may outlast --rpc_timeout
     futs = []
     for trainer_rank in range(trainers):
         trainer_name = f"trainer{trainer_rank}"
@@ -105,25 +82,20 @@ def run_master(args: argparse.Namespace) -> dict:
                             timeout=0)
         futs.append(fut)
 
-    # Wait for all training to finish (the tutorial's fut.wait() for each, but a trainer that
-    # fails or hangs ends the wait at once: report.wait_for_trainers)
+    # Wait for all training to finish (not the tutorial's fut.wait(): a trainer that fails or hangs ends it)
     reports = wait_for_trainers(futs, [f"trainer{r}" for r in range(trainers)], args.rpc_timeout)
     return report.finish(reports)
 
 
 def trainer_device_and_store(worker: distkit.Worker, args: argparse.Namespace) -> tuple[str, dist.Store]:
-    """A trainer's device (set for ``_run_trainer``), its backend, and the store its DDP
-    process group meets on. (The tutorial: ``cuda(rank)``, gloo, ``tcp://localhost:29500``.)"""
+    """A trainer's device (for ``_run_trainer``), backend, DDP store (tutorial: cuda(rank), gloo, :29500)."""
     trainers = num_trainers(worker.world_size)
     # trainers on several machines: all NCCL or all gloo, or one line saying who sees what
     where = distkit.take_placement("trainers", worker.rank, trainers, placement(worker, args))
     trainer.set_device(where.device)
-    # The trainers' process group rendezvouses under its own key prefix in the job's store,
-    # not on RPC's keys and not on a second hard-coded port.
+    # under its own key prefix in the job's store: not on RPC's keys, not on a second hard-coded port
     store = distkit.job_store("trainers")
-    # The group's timeout (see run_worker) also bounds its rendezvous, and on a busy machine
-    # one trainer may start long after another: wait for all of them first, under the
-    # store's timeout.
+    # wait for all trainers (one may start late) under the store's timeout: the group's bounds its rendezvous
     store.set(f"started{worker.rank}", "1")
     store.wait([f"started{r}" for r in range(trainers)])
     return where.backend, store
@@ -134,21 +106,18 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     trainers = num_trainers(worker.world_size)
     master_rank, ps_rank = trainers, trainers + 1
     rpc_backend_options = TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
-    # each process its own seed: the table is initialised on the parameter server, fc on
-    # every trainer, and DDP must (and does) make all trainers start from rank 0's fc
+    # each process its own seed: DDP must (and does) make all trainers start from rank 0's fc
     torch.manual_seed(args.seed * 1000 + worker.rank)
     result = None
-    # Ranks 0..N-3 are trainers, N-2 is the master and N-1 the parameter server (the
-    # tutorial's 0 and 1, 2, 3 with the default 4 processes).
+    # Ranks 0..N-3 are trainers, N-2 is the master and N-1 the parameter server (the tutorial's 0 and 1, 2, 3)
     if worker.rank == master_rank:
         rpc.init_rpc("master", rank=worker.rank, world_size=worker.world_size,
                      rpc_backend_options=rpc_backend_options)
         result = run_master(args)
     elif worker.rank < trainers:
         backend, store = trainer_device_and_store(worker, args)
-        # Initialize process group for Distributed DataParallel on trainers (world size =
-        # number of trainers). Its timeout bounds DDP's allreduce: a trainer whose peer hangs
-        # fails after --rpc_timeout seconds, not after the default 30 minutes.
+        # Initialize process group for Distributed DataParallel on trainers. Its timeout bounds DDP's
+        # allreduce: a trainer whose peer hangs fails after --rpc_timeout seconds, not 30 minutes.
         dist.init_process_group(backend, store=store, rank=worker.rank, world_size=trainers,
                                 timeout=timedelta(seconds=args.rpc_timeout))
 
@@ -172,18 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # the tutorial's mp.spawn; distkit.Job adds a free port on loopback (--ranks: several
-    # machines), the hang watchdog, the first failure's report and each rank's result
+    # the tutorial's mp.spawn; distkit.Job adds a free port, the hang watchdog, failure reports, results
     with distkit.Job(args) as job:
         if job.torchrun:
             job.run(run_worker, args)
         else:
             mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
-    summary = job.results.get(num_trainers(args.world_size))
-    if summary is None:  # this machine or process did not run the master
-        return 0
-    in_sync = print_summary(summary)  # the losses, and whether DDP kept fc identical
-    return 0 if in_sync else 1
+    summary = job.results.get(num_trainers(args.world_size))  # None: the master ran on another machine
+    return 0 if summary is None or print_summary(summary) else 1  # print_summary: whether fc stayed identical
 
 
 if __name__ == "__main__":

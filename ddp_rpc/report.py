@@ -1,13 +1,5 @@
-"""Beyond the tutorial: what the trainers and the master report, and how the master waits.
-
-None of this is in the tutorial; it attaches to its functions from outside:
-  - ``TrainerReport.watch`` hooks the trainer's loss function (a module forward hook) to
-    record every batch's loss and stop on a non-finite one, and keeps ``fc`` before/after;
-  - ``MasterReport`` logs the start, keeps the embedding table as created and after
-    training, and the time;
-  - ``wait_for_trainers`` is the master's "wait for all training to finish", failing fast;
-  - ``print_summary`` is what ``main`` prints at the end.
-"""
+"""Beyond the tutorial, attached from outside: the trainers' reports (``TrainerReport``, a hook on the loss
+function), the master's (``MasterReport``), its fail-fast wait and the summary ``main`` prints at the end."""
 from __future__ import annotations
 
 import logging
@@ -24,8 +16,7 @@ import distkit
 
 log = logging.getLogger(__name__)
 
-# The trainer's HybridModel is typed as a Module here: trainer.py imports this module, and an
-# import back (even for type hints only) would make the two a circle (tests/test_distkit.py)
+# HybridModel typed as a Module: trainer.py imports this module, an import back is a circle (test_distkit.py)
 
 
 def _fc_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -42,14 +33,12 @@ class TrainerReport:
     losses: list[list[float]] = field(default_factory=list)  # [epoch][batch]
     fc_before: dict[str, torch.Tensor] = field(default_factory=dict)
     fc_after: dict[str, torch.Tensor] = field(default_factory=dict)
-    seconds: float = 0.0  # from watch() to finish()
-    _started: float = field(default=0.0, repr=False)
 
     @classmethod
     def watch(cls, rank: int, model: torch.nn.Module, criterion: torch.nn.Module,
               batches_per_epoch: int) -> TrainerReport:
         """Start reporting on trainer ``rank``: ``fc`` now, and every loss ``criterion`` returns."""
-        report = cls(rank, str(model.device), fc_before=_fc_state(model), _started=time.perf_counter())
+        report = cls(rank, str(model.device), fc_before=_fc_state(model))
 
         def record_loss(module: torch.nn.Module, inputs: tuple, loss: torch.Tensor) -> None:
             if not report.losses or len(report.losses[-1]) == batches_per_epoch:
@@ -62,13 +51,11 @@ class TrainerReport:
         return report
 
     def epoch_loss(self, epoch: int) -> float:
-        """The mean loss of ``epoch``'s batches (what the trainer logs)."""
         return sum(self.losses[epoch]) / len(self.losses[epoch])
 
     def finish(self, model: torch.nn.Module) -> TrainerReport:
-        """The report to send: ``fc`` as training left it, and the time it took."""
+        """The report to send, with ``fc`` as training left it."""
         self.fc_after = _fc_state(model)
-        self.seconds = time.perf_counter() - self._started
         return self
 
 
@@ -94,15 +81,10 @@ class MasterReport:
                 "seconds": seconds, "config": self.config}
 
 
-def wait_for_trainers(futs: list[torch.futures.Future], names: list[str],
-                      timeout: float) -> list:
-    """What every trainer's ``_run_trainer`` returned; raise as soon as one fails or hangs.
-
-    A trainer's error ends the wait at once (not once the trainers before it finish). A
-    trainer that stops answering (hung, not dead: the launcher cannot see it) would leave a
-    ``timeout=0`` RPC waiting forever, so each trainer still training must answer a no-op
-    RPC every second, which fails after ``timeout`` seconds.
-    """
+def wait_for_trainers(futs: list[torch.futures.Future], names: list[str], timeout: float) -> list:
+    """What every trainer's ``_run_trainer`` returned; raise as soon as one fails, or hangs (hung, not
+    dead, it would leave a ``timeout=0`` RPC waiting forever): each trainer still training must answer
+    a no-op RPC every second, which fails after ``timeout`` seconds."""
     changed = threading.Event()
     for fut in futs:
         fut.add_done_callback(lambda _: changed.set())
@@ -120,8 +102,7 @@ def wait_for_trainers(futs: list[torch.futures.Future], names: list[str],
 def print_summary(summary: dict) -> bool:
     """Print the master's summary of a run; whether DDP kept ``fc`` identical on all trainers."""
     config, reports = summary["config"], summary["trainers"]
-    in_sync = all(torch.equal(reports[0].fc_after[k], r.fc_after[k])
-                  for r in reports for k in reports[0].fc_after)
+    in_sync = all(torch.equal(reports[0].fc_after[k], r.fc_after[k]) for r in reports for k in r.fc_after)
     print(f"Trained {config.epochs} epochs x {config.batches_per_epoch} batches on "
           f"{len(reports)} trainers ({reports[0].device}) in {summary['seconds']:.1f} s")
     for r in reports:

@@ -1,25 +1,6 @@
-"""Distributed pipeline parallelism with RPC: ResNet50 in two shards on two workers.
-
-Mirrors "Distributed Pipeline Parallelism Using RPC" (upstream: pytorch/examples,
-distributed/rpc/pipeline/main.py). Three processes, roles by rank:
-  rank 0  "master": holds DistResNet50 (RRefs to the shards), makes the data, computes the
-          loss, runs dist_autograd.backward and the DistributedOptimizer step
-  rank 1  "worker1": owns ResNetShard1 (conv1 .. layer2)
-  rank 2  "worker2": owns ResNetShard2 (layer3 .. fc)
-Each batch is cut into N micro-batches ("splits") that flow through the two shards as a
-pipeline; the master trains a fresh model for every N in --splits (the same initial
-weights for every N: --seed) and times it.
-
-Run on one machine (spawns the three processes; CPU + gloo unless GPUs are visible: with
-two GPUs the shards use cuda:0 and cuda:1, with one they share cuda:0):
-    python rpc_pipeline_resnet/main.py
-    python rpc_pipeline_resnet/main.py --batch_size 120 --image_size 128 --splits 1 2 4 8
-One rank per process under torchrun works too:
-    torchrun --nproc_per_node 3 rpc_pipeline_resnet/main.py
-Prints "number of splits = N, execution time = T" for each N, as the tutorial does, and
-each batch's loss; --trace DIR writes each rank's torch.profiler trace (every thread).
-The model is in model.py; speed-ups beside their bound: scripts/bench_rpc_pipeline_resnet.py.
-"""
+"""Distributed pipeline parallelism with RPC ("Distributed Pipeline Parallelism Using RPC"): rank 0, the
+master, holds DistResNet50 (model.py), makes the data, computes the loss and steps; worker1 and worker2 own
+its shards. A fresh model (same weights) per N in --splits trains on batches of N micro-batches, timed."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +8,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -71,10 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def feature_size(image_size: int, halvings: int) -> int:
     """Height (= width) after ``halvings`` of conv1, maxpool, layer2, layer3, layer4."""
-    size = image_size
     for _ in range(halvings):
-        size = (size - 1) // 2 + 1
-    return size
+        image_size = (image_size - 1) // 2 + 1
+    return image_size
 
 
 def check_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -91,9 +70,8 @@ def check_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     in_layer3 = smallest * feature_size(args.image_size, 4) ** 2
     in_layer4 = smallest * feature_size(args.image_size, 5) ** 2
     if in_layer3 < 4 or in_layer4 < 2:
-        # BatchNorm in training mode normalises each channel over the micro-batch's values: one
-        # value has no variance, and with two in layer3 and again in layer4 the gradients blow
-        # up and the loss turns nan (batch 16, 8x8 images, 8 splits; tests/test_rpc_pipeline_resnet.py)
+        # training BatchNorm normalises each channel over the micro-batch's values: one has no variance, and
+        # two in layer3 and in layer4 blow the gradients up (batch 16, 8x8 images, 8 splits: nan)
         parser.error(f"micro-batches of {smallest} image(s) of {args.image_size}x{args.image_size} "
                      f"give BatchNorm {in_layer3} value(s) per channel in layer3 and {in_layer4} in "
                      f"layer4 (training needs 4 and 2); use a larger --image_size or fewer splits")
@@ -107,8 +85,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """The master: the CPU. Shard i (rank i + 1): cuda:i with two GPUs, both on cuda:0 with
-    one, the CPU with none."""
+    """The master: the CPU. Shard i (rank i + 1): cuda:i with two GPUs, both cuda:0 with one, else the CPU."""
     if worker.rank == 0:
         return distkit.Placement(torch.device("cpu"))
     return distkit.Placement(distkit.pick_device(args.device, worker.rank - 1))
@@ -116,16 +93,14 @@ def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Place
 
 def shard_devices(args: argparse.Namespace) -> list[torch.device]:
     """Each worker picks its shard's device itself, knowing its own GPUs (see ``placement``)."""
-    return [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i))
-            for i, name in enumerate(WORKERS)]
+    return [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i)) for i, name in enumerate(WORKERS)]
 
 
-@dataclass
 class BatchClock:
     """An ``on_batch`` that adds up the seconds of the batches after the --warmup ones."""
 
-    warmup: int
-    seconds: float = 0.0
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.seconds = warmup, 0.0
 
     @contextlib.contextmanager
     def __call__(self, model: object, i: int) -> Iterator[None]:
@@ -137,15 +112,11 @@ class BatchClock:
 
 def run_master(num_split: int, args: argparse.Namespace,
                on_batch: Callable[[DistResNet50, int], contextlib.AbstractContextManager]
-               = lambda model, i: contextlib.nullcontext(),  # the tutorial's loop alone
-               ) -> list[float]:
-    """The tutorial's training loop: a fresh DistResNet50, ``num_split`` micro-batches a batch;
-    returns the losses. ``on_batch(model, i)`` is entered around each batch (``BatchClock``,
-    the benchmark's meters)."""
-    # put the two model parts on worker1 and worker2 respectively; built from --seed, so
-    # every split value starts from the same weights
-    model = DistResNet50(num_split, WORKERS, shard_devices(args), num_classes=args.num_classes,
-                         seed=args.seed)
+               = lambda model, i: contextlib.nullcontext()) -> list[float]:  # the tutorial's loop alone
+    """The tutorial's training loop, ``num_split`` micro-batches a batch; returns the losses.
+    ``on_batch(model, i)`` is entered around each batch (``BatchClock``, the benchmark's meters)."""
+    # put the two model parts on worker1 and worker2 respectively (from --seed: the same weights every time)
+    model = DistResNet50(num_split, WORKERS, shard_devices(args), num_classes=args.num_classes, seed=args.seed)
     loss_fn = nn.MSELoss()
     opt = DistributedOptimizer(
         optim.SGD,
@@ -162,8 +133,7 @@ def run_master(num_split: int, args: argparse.Namespace,
         # generate random inputs and labels
         inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
         labels = torch.zeros(args.batch_size, args.num_classes).scatter_(1, one_hot_indices, 1)
-        # the context collects the gradients on every worker the forward pass touched; there
-        # is no zero_grad because each batch gets a fresh context (and fresh gradients)
+        # the context collects the gradients on every worker the forward touched: fresh each batch, no zero_grad
         with on_batch(model, i), dist_autograd.context() as context_id:
             outputs = model(inputs)
             loss = loss_fn(outputs, labels)  # its own line: the run reports the loss
@@ -174,8 +144,7 @@ def run_master(num_split: int, args: argparse.Namespace,
 
 
 def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOptions:
-    # TensorPipe's shared-memory transport busy-polls (about 15 % of a core per idle process,
-    # measured); TCP ("uv") does not, and it is what runs between machines anyway.
+    # TCP ("uv") only, as between machines: the shared-memory transport busy-polls (15 % of a core idle)
     return rpc.TensorPipeRpcBackendOptions(num_worker_threads=128, rpc_timeout=args.rpc_timeout,
                                            _transports=["uv"])
 
@@ -200,8 +169,7 @@ def timed(num_split: int, args: argparse.Namespace) -> dict:
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
-    """Rank 0, the master, trains a fresh model per --splits value and returns one run per
-    value (``timed``); ranks 1 and 2 host the shards and wait for its RPCs."""
+    """Rank 0, the master, returns one ``timed`` run per --splits value; ranks 1 and 2 host the shards."""
     set_up_process(worker, args)
     options = rpc_backend_options(args)
     runs = None
@@ -221,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # the tutorial's mp.spawn; distkit.Job adds a free port on loopback (--ranks: several
-    # machines), the hang watchdog, the first failure's report and each rank's result
+    # the tutorial's mp.spawn; distkit.Job adds a free port, the hang watchdog, failure reports, results
     with distkit.Job(args) as job:
         if job.torchrun:
             job.run(run_worker, args)

@@ -1,13 +1,6 @@
-"""The tutorial's model: ``ResNetBase``, ``ResNetShard1``, ``ResNetShard2`` and ``DistResNet50``.
-
-ResNet50 (torchvision's ``Bottleneck`` blocks) is cut after ``layer2``. Each shard lives on
-its own RPC worker and is created there by the master with ``rpc.remote``; the master only
-holds ``RRef``s to them. ``DistResNet50.forward`` cuts the batch into ``num_split``
-micro-batches and fires them all off asynchronously, so while shard 2 works on micro-batch
-i, shard 1 already works on micro-batch i + 1.
-
-``seed``: every model built with one seed starts from the same weights, whatever ran before.
-"""
+"""The tutorial's model: ResNet50 cut after ``layer2`` into ``ResNetShard1`` and ``ResNetShard2``, each built
+on its RPC worker by the master's ``DistResNet50``, which fires ``num_split`` micro-batches off at once: while
+shard 2 works on micro-batch i, shard 1 works on i + 1. One ``seed``: the same weights whatever ran before."""
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +23,7 @@ def seeded(seed: int | None) -> Iterator[None]:
     if seed is None:
         yield
         return
-    # devices=[]: weights are initialised on the CPU (and moved afterwards), so the CUDA
-    # generators need neither seeding nor saving
+    # devices=[]: weights are initialised on the CPU (and moved after), so CUDA's generators are left alone
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
@@ -42,16 +34,12 @@ def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
 
 
 class ResNetBase(nn.Module):
-    """What both shards share: torchvision's ``_make_layer`` and the parameter RRefs.
+    """What both shards share: torchvision's ``_make_layer`` and the parameter RRefs. ``_lock`` serialises
+    ``forward`` (the RPC agent runs each request on its own thread, and two micro-batches must not update
+    BatchNorm's running statistics at once); several micro-batches can back-propagate at once."""
 
-    ``_lock`` serialises ``forward``: the RPC agent runs each request on its own thread, and
-    two micro-batches must not update BatchNorm's running statistics at once. Backward
-    passes are not serialised: several micro-batches can back-propagate at once.
-    """
-
-    def __init__(self, block: type[Bottleneck], inplanes: int, num_classes: int = NUM_CLASSES,
-                 groups: int = 1, width_per_group: int = 64,
-                 norm_layer: type[nn.Module] | None = None) -> None:
+    def __init__(self, block: type[Bottleneck], inplanes: int, num_classes: int = NUM_CLASSES, groups: int = 1,
+                 width_per_group: int = 64, norm_layer: type[nn.Module] | None = None) -> None:
         super().__init__()
         self._lock = threading.Lock()
         self._block = block
@@ -82,20 +70,17 @@ class ResNetBase(nn.Module):
         return nn.Sequential(*layers)
 
     def parameter_rrefs(self) -> list[RRef]:
-        # called on the shard's own worker, so these are owner RRefs the master can hand
-        # to DistributedOptimizer, which then steps each parameter where it lives
+        # on the shard's worker: owner RRefs, so DistributedOptimizer steps each parameter where it lives
         return [RRef(p) for p in self.parameters()]
 
 
 class ResNetShard1(ResNetBase):
     """First half of ResNet50 (conv1 .. layer2), on worker1. Returns CPU activations."""
 
-    def __init__(self, device: torch.device | str, *args: Any, seed: int | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, device: torch.device | str, *args: Any, seed: int | None = None, **kwargs: Any) -> None:
         super().__init__(Bottleneck, 64, *args, **kwargs)
         self.device = torch.device(device)
-        # built and initialised on the CPU from the seed, then moved (the tutorial
-        # initialised after .to(device), drawing on the GPU's generator)
+        # initialised on the CPU from the seed, then moved (the tutorial drew on the GPU's generator)
         with seeded(seed):
             self.seq = nn.Sequential(
                 nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False),
@@ -124,8 +109,7 @@ class ResNetShard1(ResNetBase):
 class ResNetShard2(ResNetBase):
     """Second half of ResNet50 (layer3 .. avgpool, fc), on worker2. Returns CPU logits."""
 
-    def __init__(self, device: torch.device | str, *args: Any, seed: int | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, device: torch.device | str, *args: Any, seed: int | None = None, **kwargs: Any) -> None:
         super().__init__(Bottleneck, 512, *args, **kwargs)
         self.device = torch.device(device)
         with seeded(seed):
@@ -137,8 +121,7 @@ class ResNetShard2(ResNetBase):
             self.fc = nn.Linear(512 * self._block.expansion, self.num_classes).to(self.device)
 
     def forward(self, x_rref: RRef) -> torch.Tensor:
-        # shard 2 waits here for shard 1's output of the same micro-batch (y_rref is
-        # resolved only once shard 1 has run)
+        # shard 2 waits here for shard 1's output of the same micro-batch (y_rref resolves once it has run)
         x = x_rref.to_here().to(self.device)
         with self._lock:
             out = self.fc(torch.flatten(self.seq(x), 1))
@@ -151,12 +134,9 @@ def _set_training(module_rref: RRef, mode: bool) -> None:
 
 
 class DistResNet50(nn.Module):
-    """Lives on the master: holds RRefs to the two shards and pipelines micro-batches through them.
-
-    ``num_split``: micro-batches per batch (the tutorial read an undefined ``self.split_size``).
-    ``devices``: the shards' (the tutorial hard-codes "cuda:0", "cuda:1"). ``seed``: shard 1
-    from ``seed``, shard 2 from ``seed + 1``, the same weights whatever the workers built before.
-    """
+    """On the master: RRefs to the two shards, and micro-batches pipelined through them. ``num_split``:
+    micro-batches per batch (the tutorial read an undefined ``self.split_size``); ``devices``: the shards'
+    (the tutorial's "cuda:0", "cuda:1"); ``seed``: shard 1's (shard 2: ``seed + 1``)."""
 
     def __init__(self, num_split: int, workers: Sequence[str],
                  devices: Sequence[torch.device | str] = ("cpu", "cpu"), *args: Any,
@@ -178,9 +158,8 @@ class DistResNet50(nn.Module):
             args=(devices[1],) + args,
             kwargs={**kwargs, "seed": seeds[1]},
         )
-        # rref.rpc_async() needs the type behind the RRef; until it has it, it sends the RPC
-        # from a callback outside this dist_autograd context, and that micro-batch silently
-        # gets no gradients. Learn both types now, as the proxies do (private: no public way).
+        # rref.rpc_async() without the RRef's type yet sends the RPC from a callback outside the dist_autograd
+        # context: no gradients, silently. Learn both types now, as the proxies do (private: no public way).
         for rref in (self.p1_rref, self.p2_rref):
             rref._get_type(blocking=False).wait()
 
@@ -189,16 +168,14 @@ class DistResNet50(nn.Module):
         # tensor_split: exactly num_split micro-batches whose sizes differ by at most one
         for x in xs.tensor_split(self.num_split, dim=0):
             x_rref = RRef(x)
-            # remote() and rpc_async() return at once: the loop only queues work, and
-            # y_rref makes shard 2 wait for shard 1's output of this very micro-batch
+            # both return at once: the loop queues work; y_rref makes shard 2 wait for this micro-batch's
             y_rref = self.p1_rref.remote().forward(x_rref)
             z_fut = self.p2_rref.rpc_async().forward(y_rref)
             out_futures.append(z_fut)
         return torch.cat(torch.futures.wait_all(out_futures))
 
     def train(self, mode: bool = True) -> DistResNet50:
-        # nn.Module.train only reaches local children; the shards (and their BatchNorm
-        # layers) live on the workers, so tell them too
+        # nn.Module.train reaches local children only: tell the shards (and their BatchNorm layers) too
         super().train(mode)
         torch.futures.wait_all([rpc.rpc_async(r.owner(), _set_training, args=(r, mode))
                                 for r in (self.p1_rref, self.p2_rref)])

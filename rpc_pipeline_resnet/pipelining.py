@@ -1,23 +1,7 @@
-"""The same ResNet50 pipeline with torch.distributed.pipelining: two ranks, no master.
-
-PyTorch now sends readers of the RPC pipeline tutorial (main.py) to "Introduction to
-Distributed Pipeline Parallelism", whose way this file follows: the same two halves
-(``ResNetShard1``/``ResNetShard2``, same seeds), data and micro-batches. Roles by rank:
-  rank 0  stage 0: ResNetShard1's layers (conv1 .. layer2); makes the images and feeds them:
-          ``schedule.step(inputs)``
-  rank 1  stage 1: ResNetShard2's layers (layer3 .. fc); makes the labels and computes the
-          MSELoss of each micro-batch: ``schedule.step(target=labels, losses=losses)``
-  both    step their own SGD optimizer over their own stage's parameters
-``ScheduleGPipe(stage, n_microbatches=..., loss_fn=...)`` by default, ``--schedule 1F1B``.
-
-Run on one machine (spawns the two processes; CPU + gloo unless each process has a GPU):
-    python rpc_pipeline_resnet/pipelining.py --world_size 2
-    python rpc_pipeline_resnet/pipelining.py --world_size 2 --schedule 1F1B --splits 2 4 8
-One rank per process under torchrun, as the pipelining tutorial launches it:
-    torchrun --nproc_per_node 2 rpc_pipeline_resnet/pipelining.py
-Prints what main.py prints (times on rank 0, losses on rank 1). --trace DIR: each rank's
-torch.profiler trace, with GPipe's own "Forward i"/"Backward i" spans.
-"""
+"""The same ResNet50 pipeline (main.py's halves, seeds, data, micro-batches) with torch.distributed.pipelining,
+as "Introduction to Distributed Pipeline Parallelism" does it: two ranks, no master. Rank 0 runs stage 0
+(ResNetShard1's layers) and feeds the images, rank 1 stage 1 (ResNetShard2's) and computes each micro-batch's
+MSELoss; each steps its own SGD. ``ScheduleGPipe`` or ``--schedule 1F1B``. Under torchrun, or --world_size 2."""
 from __future__ import annotations
 
 import argparse
@@ -44,8 +28,7 @@ SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}  # the ones that fit 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = distkit.ArgumentParser(
-        description="Pipeline-parallel ResNet50 with torch.distributed.pipelining")
+    parser = distkit.ArgumentParser(description="Pipeline-parallel ResNet50 with torch.distributed.pipelining")
     add_batch_args(parser)  # main.py's flags, meaning the same here
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="GPipe",
                         help="pipeline schedule (both run one stage per rank)")
@@ -56,18 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def runnable_splits(default: list[int], schedule: str) -> list[int]:
-    """The ``--splits`` values of ``default`` this PyTorch's schedule can run on two stages.
-    A value it refuses is left out with one line saying why: torch 2.10's GPipe wants a
-    micro-batch per stage, so the README's command would otherwise be refused there."""
-    splits = []
-    for n in default:
-        problem = schedule_problem(schedule, 2, n)
+    """The ``--splits`` values of ``default`` this PyTorch's schedule can run on two stages; the others are
+    left out, one line each (torch 2.10's GPipe would refuse the README's command: a micro-batch per stage)."""
+    problems = {n: schedule_problem(schedule, 2, n) for n in default}
+    for n, problem in problems.items():
         if problem and os.environ.get("RANK", "0") == "0":  # under torchrun: once
             print(f"skipping --splits {n}: {schedule} on 2 stages: {problem} "
                   f"(torch {torch.__version__.split('+')[0]})")
-        if not problem:
-            splits.append(n)
-    return splits
+    return [n for n in default if not problems[n]]
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -77,12 +56,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     check_batch_args(parser, args)
     for n in args.splits:
         if args.batch_size % n:
-            # the schedule gives every micro-batch the shape of the first (main.py's
-            # tensor_split would make them differ by one image)
+            # the schedule gives every micro-batch the first's shape (main.py's tensor_split: one image off)
             parser.error(f"--splits values must divide --batch_size {args.batch_size} "
                          f"(torch.distributed.pipelining's micro-batches are equal), got {n}")
-        # PyTorch's own answer, asked before any process starts, for the values the user
-        # named (1F1B wants a micro-batch per stage; torch 2.10's GPipe does too, 2.14's not)
+        # PyTorch's own answer, before launch (1F1B wants a micro-batch per stage; so does torch 2.10's GPipe)
         problem = schedule_problem(args.schedule, 2, n)
         if problem:
             parser.error(f"--schedule {args.schedule} --splits {n}: {problem} "
@@ -91,14 +68,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """A GPU of its own per rank and NCCL, or both ranks on the CPU with gloo (as in
-    pipelining_transformer: never two ranks on one GPU)."""
+    """A GPU of its own per rank and NCCL, or both ranks on the CPU with gloo (never two ranks on one GPU)."""
     return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
 
 
 def init_distributed(where: distkit.Placement) -> tuple[int, torch.device]:
-    """Join the process group torchrun (or distkit) describes, on ``where`` (``placement``'s
-    choice, checked before launch); this rank and its device."""
+    """Join the process group torchrun (or distkit) describes, on ``placement``'s ``where``; rank, device."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     distkit.take_placement("pp", rank, world_size, where)  # one backend on every machine
@@ -108,9 +83,8 @@ def init_distributed(where: distkit.Placement) -> tuple[int, torch.device]:
 
 
 class ShardStage(nn.Module):
-    """One shard's layers (main.py's, same weights and state_dict keys) as a pipeline stage:
-    ``forward`` takes the tensor itself. No RRef, lock or copy to the CPU: the schedule
-    hands it one micro-batch at a time, on its device, and sends the output on itself."""
+    """One shard's layers (same weights and state_dict keys) as a stage: ``forward`` takes the tensor, no RRef,
+    lock or copy to the CPU (the schedule hands it one micro-batch at a time and sends the output on)."""
 
     def __init__(self, shard: ResNetBase) -> None:
         super().__init__()
@@ -124,19 +98,13 @@ class ShardStage(nn.Module):
 
 
 def shape_hints(stage_index: int, rows: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
-    """``PipelineStage``'s ``input_args``/``output_args`` (meta tensors) on torch before 2.14.
-
-    Without them PyTorch runs the stage once to learn the shapes; torch 2.10 does so in
-    training mode and keeps BatchNorm's statistics of those zeros (the parity test caught
-    it). 2.14 restores the buffers, so there the tutorial's call stays as it is.
-    """
-    # private, on purpose: the backup is the behaviour that matters, and no public API says
-    # whether a PipelineStage has it
+    """``PipelineStage``'s ``input_args``/``output_args`` (meta tensors) before torch 2.14: without them torch
+    2.10 runs the stage on zeros in training mode to learn the shapes, and BatchNorm keeps their statistics."""
+    # private, on purpose: the backup is what matters, and no public API says whether a PipelineStage has it
     if hasattr(PipelineStage, "_pre_metadata_inference_backup"):
         return {}
     size = feature_size(args.image_size, 3)  # layer2's output: what crosses between the stages
-    shapes = [(rows, 3, args.image_size, args.image_size), (rows, 512, size, size),
-              (rows, args.num_classes)]
+    shapes = [(rows, 3, args.image_size, args.image_size), (rows, 512, size, size), (rows, args.num_classes)]
     return {"input_args": torch.empty(shapes[stage_index], device="meta"),
             "output_args": torch.empty(shapes[stage_index + 1], device="meta")}
 
@@ -158,29 +126,21 @@ def manual_model_split(stage_index: int, num_stages: int, device: torch.device,
     return stage
 
 
-def build_schedule(stage: PipelineStage, name: str, num_split: int, loss_fn: nn.Module):
-    """The tutorial's ``ScheduleGPipe``, or --schedule 1F1B, built the same way."""
-    if name == "GPipe":
-        return ScheduleGPipe(stage, n_microbatches=num_split, loss_fn=loss_fn)
-    return SCHEDULES[name](stage, n_microbatches=num_split, loss_fn=loss_fn)
-
-
 def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: torch.device,
                  on_batch: Callable[[PipelineStage, int], contextlib.AbstractContextManager]
-                 = lambda stage, i: contextlib.nullcontext(),  # the training loop alone
-                 ) -> list[float]:
-    """main.py's ``run_master`` on one rank, pipelined by a schedule: a fresh stage, trains
-    --warmup + --num_batches batches, returns their losses (rank 1; rank 0 none).
-    ``on_batch(stage, i)`` is entered around each batch (``BatchClock``, the benchmark's meters).
-    """
+                 = lambda stage, i: contextlib.nullcontext()) -> list[float]:  # the loop alone
+    """main.py's ``run_master`` on one rank, pipelined by a schedule; returns the losses (rank 1; rank 0 none).
+    ``on_batch(stage, i)`` is entered around each batch (``BatchClock``, the benchmark's meters)."""
     stage_index, num_stages = rank, 2  # one stage per rank
     stage = manual_model_split(stage_index, num_stages, device, args, num_split)
     loss_fn = nn.MSELoss()
-    schedule = build_schedule(stage, args.schedule, num_split, loss_fn)
+    if args.schedule == "GPipe":  # the tutorial's schedule; --schedule 1F1B is built the same way
+        schedule = ScheduleGPipe(stage, n_microbatches=num_split, loss_fn=loss_fn)
+    else:
+        schedule = SCHEDULES[args.schedule](stage, n_microbatches=num_split, loss_fn=loss_fn)
     opt = optim.SGD(stage.submod.parameters(), lr=args.lr)
 
-    # the data main.py's run_master draws, from the same seed: rank 0 needs the images,
-    # rank 1 the labels
+    # the data main.py's run_master draws, from the same seed: rank 0 needs the images, rank 1 the labels
     gen = torch.Generator().manual_seed(args.seed)
     one_hot_indices = torch.randint(0, args.num_classes, (args.batch_size, 1), generator=gen)
     labels = torch.zeros(args.batch_size, args.num_classes).scatter_(1, one_hot_indices, 1)
@@ -190,32 +150,28 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
             log.info(f"Processing batch {i}")
             inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
         with on_batch(stage, i):
-            # step() adds up the micro-batches' gradients in .grad, then divides them by
-            # num_split (the schedule's scale_grads=True): the gradient of their mean loss,
-            # which is main.py's whole-batch MSE (test_both_pipelines_train_what_one_process_trains)
+            # step() sums the micro-batches' gradients in .grad and divides by num_split (scale_grads): their
+            # mean loss's gradient = main.py's batch MSE's (test_both_pipelines_train_what_one_process_trains)
             opt.zero_grad()
             if stage.is_first:
-                # cuts the batch, runs stage 0 on each micro-batch and sends its output to
-                # rank 1; receives the gradient of that output back, runs stage 0's backward
+                # cuts the batch, runs stage 0 on each micro-batch, sends its output to rank 1; receives the
+                # gradient of that output back, runs stage 0's backward
                 schedule.step(inputs.to(device))
             else:
                 mb_losses = []
-                # receives stage 0's outputs, runs stage 1, applies loss_fn to each micro-batch,
-                # runs the backward, sends the gradient of stage 1's input back to rank 0;
-                # returns the logits of the whole batch (not needed here)
-                outputs = schedule.step(target=labels.to(device), losses=mb_losses)
+                # receives stage 0's outputs, runs stage 1 and loss_fn on each micro-batch, the backward, sends
+                # the gradient of stage 1's input back to rank 0; returns the batch's logits (not needed here)
+                schedule.step(target=labels.to(device), losses=mb_losses)
             opt.step()
         if stage.is_last:
-            # only reported: equal micro-batches, so the mean of their MSEs is the batch's
-            # MSE, main.py's loss
+            # only reported: equal micro-batches, so the mean of their MSEs is the batch's, main.py's loss
             loss = torch.stack(mb_losses).mean().item()
             losses.append(distkit.check_finite(loss, f"batch {i} with {num_split} splits"))
     return losses
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
-    """Both ranks: join the group, train one fresh pair of stages per --splits value; one
-    run per value (rank 0's seconds after --warmup, rank 1's losses)."""
+    """Both ranks: one fresh pair of stages per --splits value, one run each (rank 0 times, rank 1 losses)."""
     rank, device = init_distributed(placement(worker, args))
     runs = []
     with distkit.profiled(args.trace, f"rank{rank}"):
@@ -235,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # as the tutorial runs it, torchrun starts one process per rank; without torchrun,
-    # mp.spawn starts --world_size of them here (distkit.Job: see rpc_rnn/main.py's main)
+    # as in the tutorial, torchrun starts one process per rank; without it, mp.spawn starts --world_size here
     with distkit.Job(args) as job:
         if job.torchrun:
             job.run(run_worker, args)

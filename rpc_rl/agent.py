@@ -1,10 +1,5 @@
-"""The tutorial's three classes: ``Policy``, ``Observer`` and ``Agent``.
-
-The agent (rank 0) owns the policy and does all the learning; observers (every other rank)
-own nothing but a CartPole environment. An observer asks the agent for every action and
-reports every reward over RPC, so the agent ends an episode holding, for each observer, the
-log-probabilities of the actions it chose and the rewards they earned.
-"""
+"""The tutorial's ``Policy``, ``Observer`` and ``Agent``: the agent (rank 0) owns the policy and learns;
+each observer (every other rank) owns a CartPole environment and asks the agent for every action over RPC."""
 from __future__ import annotations
 
 import gymnasium as gym
@@ -42,17 +37,12 @@ class Policy(nn.Module):
 
 
 class Observer:
-    """Lives on an observer rank (created there by the agent with ``rpc.remote``).
-
-    It runs its own environment; every step is two RPCs back to the agent through the
-    ``agent_rref`` it is handed: one for the action, one to report the reward.
-    """
+    """Made on an observer rank by the agent (``rpc.remote``); each step is two RPCs back to it."""
 
     def __init__(self, seed: int) -> None:
         self.id = rpc.get_worker_info().id
         self.env = gym.make(ENV_NAME)
-        # gymnasium seeds through reset(); only the first reset takes the seed, later ones
-        # continue the environment's own random stream.
+        # gymnasium seeds through reset(): only the first reset takes it, later ones continue its stream
         self.seed: int | None = seed
 
     def run_episode(self, agent_rref: RRef) -> int:
@@ -83,11 +73,7 @@ def discounted_returns(rewards: list[float], gamma: float) -> torch.Tensor:
 
 
 class Agent:
-    """Lives on rank 0: trainer and master at once.
-
-    It holds an ``RRef`` to itself (passed to observers so they can call back) and one
-    ``RRef`` per remote ``Observer``; it never holds an observer object itself.
-    """
+    """On rank 0, trainer and master: an ``RRef`` to itself (for observers to call back), one per observer."""
 
     observer_cls: type[Observer] = Observer  # what it creates on every observer rank
 
@@ -126,18 +112,15 @@ class Agent:
         """Start an episode on every observer at once; return {observer id: steps taken}."""
         futs = []
         for ob_rref in self.ob_rrefs:
-            # make async RPC to kick off an episode on all observers; the observers call
-            # back into this agent (nested RPCs) while these futures are pending
+            # make async RPC to kick off an episode on all observers (they call back into this agent)
             futs.append(ob_rref.rpc_async().run_episode(self.agent_rref))
         # wait until all observers have finished this episode
-        ob_ids = [ob_rref.owner().id for ob_rref in self.ob_rrefs]
-        return {ob_id: fut.wait() for ob_id, fut in zip(ob_ids, futs)}
+        return {ob_rref.owner().id: fut.wait() for ob_rref, fut in zip(self.ob_rrefs, futs)}
 
     def finish_episode(self) -> float:
         """One REINFORCE update from the episode just played; return the minimum observer reward."""
-        # joins probs and returns from different observers into lists. The tutorial
-        # discounted the concatenated rewards, leaking one observer's rewards into another's
-        # returns; each observer's episode is discounted on its own here.
+        # joins probs and returns from different observers into lists; each observer's episode is
+        # discounted on its own (the tutorial's concatenation leaked rewards between observers)
         probs, returns = [], []
         for ob_id in self.rewards:
             probs.extend(self.saved_log_probs[ob_id])

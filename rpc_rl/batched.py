@@ -1,17 +1,6 @@
-"""Going past the tutorial: one RPC per step and one batched policy forward per step.
-
-The tutorial names its own inefficiency: every environment step costs two RPCs, and the
-agent runs the policy once per observer. PyTorch's "Batch RPC Processing Using
-Asynchronous Executions" shows the cure used here:
-
-- a ``BatchObserver`` sends its state *and the reward of its previous action* in one RPC;
-- ``BatchAgent.select_action_batch`` is an ``@rpc.functions.async_execution`` function: it
-  returns a future at once instead of holding an RPC thread, and the last observer to
-  arrive runs one policy forward for everyone and completes all their futures.
-
-The policy, the sampling and ``finish_episode`` are the tutorial's, unchanged: with one
-observer and the same seed this mode takes exactly the same actions as the faithful one.
-"""
+"""--batch, after PyTorch's "Batch RPC Processing Using Asynchronous Executions": one RPC per step (state
+and last reward); the last observer to arrive runs one policy forward for all (``async_execution``: no RPC
+thread held). Policy, sampling and ``finish_episode`` are the tutorial's, and so are one observer's actions."""
 from __future__ import annotations
 
 import threading
@@ -44,12 +33,8 @@ class BatchObserver(Observer):
 
 
 class BatchAgent(Agent):
-    """The tutorial's agent, answering all observers of a step with one policy forward.
-
-    ``pending`` holds the states that arrived for the current step; ``active`` the observers
-    still playing this episode. When every active observer has sent its state, the batch
-    runs and ``future_actions`` is completed, which answers all of them at once.
-    """
+    """The tutorial's agent, answering all observers of a step with one policy forward: ``pending``
+    holds this step's states, ``active`` the observers still playing; ``future_actions`` answers all."""
 
     observer_cls = BatchObserver
 
@@ -69,11 +54,8 @@ class BatchAgent(Agent):
     @rpc.functions.async_execution
     def select_action_batch(agent_rref: RRef, ob_id: int, state: np.ndarray | None,
                             reward: float | None) -> Future:
-        """Record ``reward`` for the previous action; answer ``state`` with an action later.
-
-        Runs on the agent. ``state is None`` means the observer's episode is over: it only
-        reports its final reward and leaves the batch, so the others do not wait for it.
-        """
+        """Record ``reward`` for the previous action; answer ``state`` with an action later. ``state`` None:
+        the observer's episode is over, it leaves the batch so that the others do not wait for it."""
         self: BatchAgent = agent_rref.local_value()
         with self.lock:
             if reward is not None:
@@ -85,21 +67,16 @@ class BatchAgent(Agent):
             else:
                 self.pending[ob_id] = state
                 answer = self.future_actions.then(lambda fut: fut.value()[ob_id])
-            batch = self._take_batch() if self.pending and len(self.pending) == len(self.active) else None
-        if batch is not None:
-            future, actions = batch
-            future.set_result(actions)  # answers every observer waiting on this step
+            full = bool(self.pending) and len(self.pending) == len(self.active)
+            if full:  # one policy forward for every pending observer
+                ob_ids = sorted(self.pending)
+                states = torch.from_numpy(np.stack([self.pending[i] for i in ob_ids])).float()
+                m = Categorical(self.policy(states))
+                actions = m.sample()
+                log_probs = m.log_prob(actions)
+                for row, i in enumerate(ob_ids):  # not ob_id: the lambda above reads it
+                    self.saved_log_probs[i].append(log_probs[row:row + 1])
+                future, self.future_actions, self.pending = self.future_actions, Future(), {}
+        if full:  # answers every observer waiting on this step
+            future.set_result({i: int(a) for i, a in zip(ob_ids, actions.tolist())})
         return answer
-
-    def _take_batch(self) -> tuple[Future, dict[int, int]]:
-        """One policy forward for every pending observer (called with the lock held)."""
-        ob_ids = sorted(self.pending)
-        states = torch.from_numpy(np.stack([self.pending[i] for i in ob_ids])).float()
-        probs = self.policy(states)
-        m = Categorical(probs)
-        actions = m.sample()
-        log_probs = m.log_prob(actions)
-        for row, ob_id in enumerate(ob_ids):
-            self.saved_log_probs[ob_id].append(log_probs[row:row + 1])
-        future, self.future_actions, self.pending = self.future_actions, Future(), {}
-        return future, {ob_id: int(a) for ob_id, a in zip(ob_ids, actions.tolist())}

@@ -1,19 +1,9 @@
-"""Distributed reinforcement learning with RPC and RRef (REINFORCE on CartPole-v1).
+"""Distributed REINFORCE on CartPole-v1 with RPC and RRef ("Getting Started with Distributed RPC
+Framework", first half): rank 0 is the agent (rpc_rl/agent.py), ranks 1..N-1 observers. It stops at
+"Solved!" (running reward past CartPole's 475) or after --max_episodes, exit status 1.
 
-Mirrors "Getting Started with Distributed RPC Framework", first half. Roles:
-  rank 0         the agent: owns the policy, drives the episodes, learns (rpc_rl/agent.py)
-  ranks 1..N-1   observers (N = --world_size): each runs its own CartPole-v1 and asks
-                 the agent for every action
-
-Run on one machine (spawns the processes, CPU + gloo unless GPUs are visible):
-    python rpc_rl/main.py --world_size 3
-    python rpc_rl/main.py --world_size 2 --max_episodes 50 --log_interval 5
-One rank per process under torchrun works too:
-    torchrun --nproc_per_node 3 rpc_rl/main.py
-The run stops when the running reward passes CartPole's threshold (475), printing
-"Solved!", or after --max_episodes with exit status 1. Keep and watch the result:
-    python rpc_rl/main.py --world_size 3 --save policy.pt
-    python rpc_rl/main.py --play policy.pt
+    python rpc_rl/main.py --world_size 3        # spawns the processes (or: torchrun --nproc_per_node 3)
+    python rpc_rl/main.py --world_size 3 --save policy.pt && python rpc_rl/main.py --play policy.pt
 """
 from __future__ import annotations
 
@@ -48,24 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", action="store_true",
                         help="one RPC per step and one batched policy forward for all observers "
                              "(rpc_rl/batched.py) instead of the tutorial's two RPCs per step")
-    parser.add_argument("--save", default=None, metavar="PATH",
-                        help="write the trained policy here when training ends")
+    parser.add_argument("--save", metavar="PATH", help="write the trained policy here when training ends")
     parser.add_argument("--play", default=None, metavar="PATH",
                         help="load a saved policy and play --play_episodes episodes here, no RPC")
     parser.add_argument("--play_episodes", type=int, default=5, metavar="N",
                         help="episodes to play with --play")
-    # no --device: the policy (4 -> 128 -> 2) answers one state at a time, which a GPU would
-    # only slow down, and the observers' environments run on the CPU anyway
     distkit.add_launch_args(parser, world_size=2, rpc_timeout=60, device=False, hang_timeout=60)
     return parser
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=2)
-    if args.max_episodes < 1:
-        parser.error(f"--max_episodes must be at least 1, got {args.max_episodes}")
-    if args.log_interval < 1:
-        parser.error(f"--log_interval must be at least 1, got {args.log_interval}")
+    for flag, value in (("--max_episodes", args.max_episodes), ("--log_interval", args.log_interval)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.reward_threshold is not None and not 0 < args.reward_threshold <= 500:
         parser.error(f"--reward_threshold must be in (0, 500], got {args.reward_threshold}")
     if not 0 < args.gamma <= 1:
@@ -80,20 +66,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """Every rank on the CPU: a 4-input policy fed one observation at a time gains nothing
-    from a GPU, so the example offers no --device flag."""
+    """Every rank on the CPU (no --device flag): a 4-input policy fed one state at a time gains nothing
+    from a GPU, and the observers' environments run on the CPU anyway."""
     return distkit.Placement(torch.device("cpu"))
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    """Rank 0 trains as the agent; every other rank waits to serve as an observer.
-
-    What goes beyond the tutorial enters through one ``AgentRun`` (rpc_rl/record.py): its
-    ``build_agent`` (the seed, --batch, --reward_threshold, the record of every episode) and
-    its ``finish`` (--save, the result the agent returns).
-    """
-    # TCP only: TensorPipe's shared-memory transport busy-polls, a cost five processes on a
-    # small CPU cannot afford (and the one that runs between machines anyway)
+    """Rank 0 trains as the agent (its extras: ``AgentRun``, record.py); other ranks serve as observers."""
+    # TCP only (as between machines): TensorPipe's shared-memory transport busy-polls, too costly on a small CPU
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout, _transports=["uv"])
     if worker.rank == 0:
         # rank 0 is the agent
@@ -136,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, reward in enumerate(play(policy, args.play_episodes, args.seed), 1):
             print(f"Episode {i}\tReward: {reward:.0f}")
         return 0
-    # the tutorial's mp.spawn; distkit.Job adds a free port on loopback (--ranks: several
-    # machines), the hang watchdog, the first failure's report and each rank's result
+    # the tutorial's mp.spawn; distkit.Job adds a free port, the hang watchdog, failure reports, results
     with distkit.Job(args) as job:
         if job.torchrun:
             job.run(run_worker, args)
@@ -145,9 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
     agent = job.results.get(0)
     if agent is not None and not agent["solved"]:
-        print(f"Not solved: running reward {agent['running_reward']:.2f} is below "
-              f"{agent['threshold']} after {agent['episodes']} episodes "
-              f"(raise --max_episodes)", file=sys.stderr)
+        print(f"Not solved: running reward {agent['running_reward']:.2f} is below {agent['threshold']} after "
+              f"{agent['episodes']} episodes (raise --max_episodes)", file=sys.stderr)
         return 1
     return 0
 

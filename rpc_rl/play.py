@@ -19,12 +19,8 @@ def save_policy(policy: Policy, path: str, **info: object) -> None:
 
 
 def load_policy(path: str) -> Policy:
-    """Raises ValueError, one line, when ``path`` holds no policy.
-
-    The reason is left out: for a file that is not a tensor file at all, torch.load's
-    message runs over several lines and advises loading with ``weights_only=False``, which
-    would run whatever code the file holds.
-    """
+    """Raises ValueError, one line, when ``path`` holds no policy. Not torch.load's reason: it spans
+    lines and advises ``weights_only=False``, which would run whatever code the file holds."""
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         policy = Policy()

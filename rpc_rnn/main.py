@@ -1,18 +1,9 @@
-"""Distributed RNN with distributed autograd and the distributed optimizer.
+"""Distributed RNN with distributed autograd and the distributed optimizer (the second half of "Getting
+Started with Distributed RPC Framework"). Rank 0, "ps", owns the EmbeddingTable (on its GPU if it has one)
+and the Decoder, created there by the trainer with rpc.remote; rank 1, "trainer", owns the LSTM and trains
+it all to predict the next token of a seeded repeating pattern (the loss falls from ln(ntoken) towards 0).
 
-Mirrors "Distributed RNN using Distributed Autograd and Distributed Optimizer", the second
-half of "Getting Started with Distributed RPC Framework". Two processes:
-  rank 0  "ps", the parameter server: owns the EmbeddingTable (on its GPU if it has one) and
-          the Decoder, both created there by the trainer with rpc.remote; it only serves RPCs
-  rank 1  "trainer": owns the LSTM, runs the training loop, drives the DistributedOptimizer
-The model learns to predict the next token of a fixed, seeded random pattern; the loss per
-epoch is printed and falls from about ln(ntoken) towards 0.
-
-Run on one machine (spawns both processes; CPU + gloo unless the ps sees a GPU):
-    python rpc_rnn/main.py
-    python rpc_rnn/main.py --epochs 5 --nhid 64 --seed 3
-One rank per process under torchrun works too:
-    torchrun --nproc_per_node 2 rpc_rnn/main.py
+    python rpc_rnn/main.py --epochs 5 --nhid 64     # spawns both processes (or: torchrun --nproc_per_node 2)
 """
 from __future__ import annotations
 
@@ -40,8 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=10, help="passes over the data")
     parser.add_argument("--batches", type=int, default=40,
                         help="batches per epoch (consecutive chunks of one token stream)")
-    parser.add_argument("--seq_len", type=int, default=5,
-                        help="time steps per batch (the tutorial's `batch`)")
+    parser.add_argument("--seq_len", type=int, default=5, help="time steps per batch (the tutorial's `batch`)")
     parser.add_argument("--batch_size", type=int, default=8,
                         help="sequences per batch (the tutorial's `nindices`)")
     parser.add_argument("--ntoken", type=int, default=10, help="vocabulary size")
@@ -80,8 +70,7 @@ def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Place
     return distkit.Placement(torch.device("cpu"))
 
 
-def make_stream(ntoken: int, pattern_len: int, batch_size: int, length: int,
-                seed: int) -> torch.Tensor:
+def make_stream(ntoken: int, pattern_len: int, batch_size: int, length: int, seed: int) -> torch.Tensor:
     """A (length, batch_size) token stream: each column repeats one fixed random pattern,
     starting at its own random offset. Seeded, so every run sees the same data."""
     gen = torch.Generator().manual_seed(seed)
@@ -92,20 +81,15 @@ def make_stream(ntoken: int, pattern_len: int, batch_size: int, length: int,
 
 
 def get_next_batch(stream: torch.Tensor, seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Consecutive (data, target) chunks, (seq_len, batch_size) each: the target of every
-    token is the token after it. Consecutive chunks continue each other, so the hidden
-    state carried from one batch to the next is meaningful."""
+    """Consecutive (data, target) chunks, (seq_len, batch_size) each, a token's target the one after it:
+    each chunk continues the last, so the hidden state carried from batch to batch means something."""
     for start in range(0, len(stream) - 1, seq_len):
         data = stream[start:start + seq_len]
         yield data, stream[start + 1:start + 1 + len(data)]
 
 
 def run_trainer(args: argparse.Namespace) -> dict:
-    """The tutorial's training loop (runs on the trainer), its sizes from the flags.
-
-    What goes beyond the tutorial enters through ``record`` (rpc_rnn/record.py), one call per
-    phase: every batch's loss, each epoch's mean loss and seconds for its line, the losses.
-    """
+    """The tutorial's training loop (on the trainer), its sizes from the flags; ``record``: beyond it."""
     model = RNNModel(PS_NAME, args.ntoken, args.ninp, args.nhid, args.nlayers,
                      args.dropout, args.device, seed=args.seed)
     # one local SGD per parameter owner: one on ps (embedding, decoder), one here (LSTM)
@@ -114,7 +98,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
     stream = make_stream(args.ntoken, args.pattern_len, args.batch_size,
                          args.batches * args.seq_len + 1, args.seed)
     shape = (args.nlayers, args.batch_size, args.nhid)
-    record = TrainingRecord.start()  # beyond the tutorial: see rpc_rnn/record.py
+    record = TrainingRecord()  # beyond the tutorial: every loss, each epoch's mean and seconds (record.py)
     for epoch in range(args.epochs):
         # each epoch restarts the stream, so it restarts the LSTM state too
         hidden = (torch.zeros(shape), torch.zeros(shape))
@@ -134,7 +118,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
                 # context, on every worker involved, and each iteration opens a new context.
             record.step(loss)
         log.info(f"Training epoch {epoch}\t{record.end_epoch()}")
-    return record.result()
+    return {"losses": record.losses}
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
@@ -161,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # the tutorial's mp.spawn; distkit.Job adds a free port on loopback (--ranks: several
-    # machines), the hang watchdog, the first failure's report and each rank's result
+    # the tutorial's mp.spawn; distkit.Job adds a free port, the hang watchdog, failure reports, results
     with distkit.Job(args) as job:
         if job.torchrun:
             job.run(run_worker, args)

@@ -1,10 +1,6 @@
-"""The tutorial's model: ``EmbeddingTable`` and ``Decoder`` live on the parameter server,
-``RNNModel`` (with its local ``LSTM``) on the trainer.
-
-The trainer holds only ``RRef``s to the two remote sub-modules; their parameters never leave
-the parameter server. Every forward pass is two synchronous RPCs (embedding lookup, decoding)
-around the local LSTM, and every tensor crossing RPC is a CPU tensor.
-"""
+"""The tutorial's model: ``EmbeddingTable`` and ``Decoder`` on the parameter server, ``RNNModel`` (its
+``LSTM`` local, ``RRef``s to the other two) on the trainer. A forward pass is two synchronous RPCs
+(embedding lookup, decoding) around the LSTM; every tensor crossing RPC is a CPU tensor."""
 from __future__ import annotations
 
 import logging
@@ -31,11 +27,8 @@ def _call_method(method: Callable[..., Any], rref: RRef, *args: Any, **kwargs: A
 
 
 def _remote_method(method: Callable[..., Any], rref: RRef, *args: Any, **kwargs: Any) -> Any:
-    """Run ``method(<object behind rref>, *args)`` on the RRef's owner and wait for the result.
-
-    Inside a ``dist_autograd.context()`` this RPC is recorded, so the backward pass follows
-    it back to the owner.
-    """
+    """Run ``method(<object behind rref>, *args)`` on the RRef's owner and wait for the result (inside a
+    ``dist_autograd.context()`` the RPC is recorded: the backward pass follows it back to the owner)."""
     return rpc.rpc_sync(rref.owner(), _call_method, args=(method, rref, *args), kwargs=kwargs)
 
 
@@ -45,28 +38,21 @@ def _parameter_rrefs(module: nn.Module) -> list[RRef]:
 
 
 def _uniform_(weight: torch.Tensor, seed: int | None) -> None:
-    """U(-0.1, 0.1), the tutorial's init, from ``seed``'s own generator when one is given.
-
-    The trainer creates both remote modules with asynchronous ``rpc.remote`` calls, which
-    the parameter server runs on whichever RPC threads pick them up first: drawn from its
-    global generator, the two modules' weights would depend on that thread order.
-    """
+    """U(-0.1, 0.1), the tutorial's init, from ``seed``'s own generator when one is given: the ps builds
+    both remote modules on whichever RPC threads come first, so its global generator would make their
+    weights depend on that thread order."""
     gen = None if seed is None else torch.Generator().manual_seed(seed)
     with torch.no_grad():
         weight.uniform_(-0.1, 0.1, generator=gen)
 
 
 class EmbeddingTable(nn.Module):
-    """Encoding layer of the RNNModel; created on the parameter server by ``rpc.remote``.
-
-    The embedding sits on the parameter server's GPU when it has one, on its CPU otherwise.
-    """
+    """Encoding layer of the RNNModel, made on the parameter server by ``rpc.remote`` (on its GPU if any)."""
 
     def __init__(self, ntoken: int, ninp: int, dropout: float, device: str = "auto",
                  seed: int | None = None) -> None:
         super().__init__()
-        # This constructor runs on the parameter server, so the GPU it finds is the server's
-        # own, not the trainer's.
+        # This constructor runs on the parameter server: the GPU it finds is the server's, not the trainer's
         self.device = distkit.pick_device(device, int(os.environ.get("LOCAL_RANK", "0")))
         self.drop = nn.Dropout(dropout)
         self.encoder = nn.Embedding(ntoken, ninp)
@@ -95,10 +81,8 @@ class Decoder(nn.Module):
 
 
 class RNNModel(nn.Module):
-    """Lives on the trainer: owns the LSTM and an ``RRef`` to each remote sub-module on ``ps``.
-
-    ``self.parameters()`` holds only the LSTM's parameters; ``parameter_rrefs()`` reaches all.
-    """
+    """On the trainer: the LSTM and an ``RRef`` to each remote sub-module on ``ps`` (``self.parameters()``
+    holds only the LSTM's; ``parameter_rrefs()`` reaches all)."""
 
     def __init__(self, ps: str, ntoken: int, ninp: int, nhid: int, nlayers: int,
                  dropout: float = 0.5, device: str = "auto", seed: int = 0) -> None:
