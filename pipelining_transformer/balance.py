@@ -1,13 +1,6 @@
-"""``--stage_layers auto``: cut the model where the measured costs say, not by layer count.
-
-The last stage also computes the output projection over the vocabulary and the loss
-(about 1.1 layers' worth on the tutorial's model), so the tutorial's equal layer counts
-leave it the slowest. A cut may therefore fall inside a layer, between its attention
-(~55 %) and its feed-forward block (~45 %): ``--stage_layers 4.5 3.5`` gives stage 0
-layers 0-3 and layer 4's attention. A last stage of 0 layers holds the head alone.
-``auto_split`` times forward + backward of each piece (embedding, each half layer, head
-with loss) on every rank with the run's own micro-batch, averages over the ranks, and
-``choose_split`` picks the contiguous split whose slowest stage is fastest.
+"""``--stage_layers auto``: cut where the measured costs say. The last stage also computes the output
+projection and the loss (~1.1 layers), so equal layer counts leave it the slowest; a cut may fall between
+a layer's attention (~55 %) and feed-forward block (~45 %): ``--stage_layers 4.5 3.5``.
 """
 from __future__ import annotations
 
@@ -17,6 +10,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -27,16 +21,14 @@ from pipelining_transformer.model import Transformer, tokenwise_loss_fn
 log = logging.getLogger(__name__)
 
 ATTENTION, FEED_FORWARD = "attention", "feed_forward"
-# the submodules of nn.TransformerDecoderLayer each half owns, under the layer's own names
-# (so a halved stage's parameters keep the full model's names: "layers.4.linear1.weight")
+# the submodules of nn.TransformerDecoderLayer each half owns, under their names: "layers.4.linear1.weight"
 PARTS = {ATTENTION: ("self_attn", "norm1", "dropout1", "multihead_attn", "norm2", "dropout2"),
          FEED_FORWARD: ("linear1", "dropout", "linear2", "norm3", "dropout3")}
 
 
 class HalfLayer(nn.Module):
-    """One half of a post-norm ``nn.TransformerDecoderLayer``, called like the layer; the
-    attention half then the feed-forward half compute exactly what the layer does, in the
-    same order (so with the same dropout draws)."""
+    """One half of a post-norm ``nn.TransformerDecoderLayer``, called like the layer; the two halves
+    in turn compute exactly what the layer does, in its order (so with the same dropout draws)."""
 
     def __init__(self, layer: nn.TransformerDecoderLayer, part: str) -> None:
         super().__init__()
@@ -54,32 +46,11 @@ class HalfLayer(nn.Module):
             x = self.norm1(x + self.dropout1(sa))
             mha = self.multihead_attn(x, memory, memory, need_weights=False)[0]
             return self.norm2(x + self.dropout2(mha))
-        # its _ff_block
-        ff = self.linear2(self.dropout(self.activation(self.linear1(x))))
+        ff = self.linear2(self.dropout(self.activation(self.linear1(x))))  # its _ff_block
         return self.norm3(x + self.dropout3(ff))
 
     def extra_repr(self) -> str:
         return self.part
-
-
-def halve(model: Transformer, bounds: tuple[float, float]) -> None:
-    """Replace the layers a stage owns only half of (``bounds`` in layers, like (4.5, 8))."""
-    start, end = bounds
-    if start % 1:  # the stage starts in the middle of a layer: it owns its feed-forward
-        k = str(int(start))
-        model.layers[k] = HalfLayer(model.layers[k], FEED_FORWARD)
-    if end % 1:  # it ends in the middle of one: it owns its attention
-        k = str(int(end))
-        model.layers[k] = HalfLayer(model.layers[k], ATTENTION)
-
-
-def split_point(bound: float, n_layers: int) -> str:
-    """Where the tracer cuts for a stage that starts at ``bound`` (``SplitPoint.BEGINNING``)."""
-    if bound == n_layers:
-        return "norm"  # a last stage of the head alone
-    if bound % 1:
-        return f"layers.{int(bound)}.linear1"  # the feed-forward block's first call
-    return f"layers.{int(bound)}"
 
 
 @dataclass
@@ -96,66 +67,47 @@ class Split:
 
 
 def choose_split(piece_ms: Sequence[float], num_stages: int) -> Split:
-    """The contiguous split of the pieces (embedding, each half layer, head) whose slowest
-    stage costs least; every stage but the last gets at least one half layer. Ties go to
-    the earlier cut. Dynamic programming over the cut positions, O(stages x halves^2)."""
+    """The contiguous split of the pieces (embedding, each half layer, head) whose slowest stage costs
+    least, each stage but the last at least one half layer; ties go to the earlier cut."""
     emb, halves, head = piece_ms[0], list(piece_ms[1:-1]), piece_ms[-1]
     n = len(halves)
     if n % 2 or num_stages < 1 or num_stages - 1 > n:
         raise ValueError(f"cannot split {n / 2:g} layers into {num_stages} stages")
-    prefix = [0.0]
-    for c in halves:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *accumulate(halves)]
 
     def cost(s: int, a: int, b: int) -> float:  # stage s holding halves a..b-1
         return prefix[b] - prefix[a] + (emb if s == 0 else 0.0) + (head if s == num_stages - 1 else 0.0)
 
     # best[s][b]: (the least slowest-stage cost of stages 0..s covering halves 0..b-1, cut)
     best = [[(math.inf, -1)] * (n + 1) for _ in range(num_stages)]
-    for b in range(1, n + 1):
-        best[0][b] = (cost(0, 0, b), 0)
+    best[0][1:] = [(cost(0, 0, b), 0) for b in range(1, n + 1)]
     for s in range(1, num_stages):
         for b in range(s, n + 1):
             for a in range(s, b + (s == num_stages - 1)):  # the last stage may be empty
                 c = max(best[s - 1][a][0], cost(s, a, b))
                 if c < best[s][b][0]:
                     best[s][b] = (c, a)
-    cuts, b = [n], n
-    for s in range(num_stages - 1, 0, -1):
-        b = best[s][b][1]
-        cuts.append(b)
-    cuts = [0, *reversed(cuts)]
+    cuts = [n]
+    for s in range(num_stages - 1, 0, -1):  # back from the last stage: where each one starts
+        cuts.insert(0, best[s][cuts[0]][1])
+    cuts = [0, *cuts]
     return Split([(b - a) / 2 for a, b in zip(cuts, cuts[1:])],
                  [cost(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))])
 
 
 def _timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    sync(device)
     start = time.perf_counter()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return time.perf_counter() - start
-
-
-def _median_seconds(pieces: list, device: torch.device, repeats: int, at_least: float = 0.05,
-                    most: int = 50) -> list[float]:
-    """Each piece's median time over rounds that time every piece once, in turn: a slow
-    spell of the machine slows every piece alike and leaves their ratios, which the split
-    depends on, intact. One untimed round, then ``repeats`` rounds, or more until the
-    quickest piece adds up to ``at_least`` seconds."""
-    first = [_timed(piece, device) for piece in pieces]
-    rounds = min(most, max(repeats, math.ceil(at_least / max(min(first), 1e-6))))
-    times = [[_timed(piece, device) for piece in pieces] for _ in range(rounds)]
-    return [statistics.median(column) for column in zip(*times)]
 
 
 def measure_pieces(model: Transformer, rows: int, seq_len: int, device: torch.device,
                    repeats: int = 3) -> list[float]:
-    """Forward + backward milliseconds of each piece (``choose_split``'s order) on one
-    micro-batch of ``rows`` x ``seq_len`` tokens. Random inputs; the gradients are cleared
-    after and the random state left as it was (the run draws the same dropout masks)."""
+    """Forward + backward milliseconds (median) of each piece, in ``choose_split``'s order, on one
+    micro-batch of random inputs; the gradients are cleared after, the random state left as it was."""
     model = model.to(device)
     vocab, dim = model.tok_embeddings.num_embeddings, model.tok_embeddings.embedding_dim
     gen = torch.Generator().manual_seed(0)
@@ -171,33 +123,28 @@ def measure_pieces(model: Transformer, rows: int, seq_len: int, device: torch.de
         x = h.detach().requires_grad_()
         tokenwise_loss_fn(model.output(model.norm(x)).clone(), tokens).backward()
 
-    pieces = [lambda: model.tok_embeddings(tokens).backward(grad)]
-    for layer in model.layers.values():
-        pieces.append(lambda layer=layer: through(HalfLayer(layer, ATTENTION)))
-        pieces.append(lambda layer=layer: through(HalfLayer(layer, FEED_FORWARD)))
-    pieces.append(head)
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        ms = [1e3 * t for t in _median_seconds(pieces, device, repeats)]
+    pieces = [lambda: model.tok_embeddings(tokens).backward(grad),
+              *(lambda layer=layer, part=part: through(HalfLayer(layer, part))
+                for layer in model.layers.values() for part in (ATTENTION, FEED_FORWARD)), head]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        # rounds of every piece in turn: a slow spell slows all alike, keeping the ratios the split
+        # needs. One untimed round, then ``repeats``, or more (up to 50) until the quickest adds to 50 ms
+        first = [_timed(piece, device) for piece in pieces]
+        rounds = min(50, max(repeats, math.ceil(0.05 / max(min(first), 1e-6))))
+        times = [[_timed(piece, device) for piece in pieces] for _ in range(rounds)]
     model.zero_grad(set_to_none=True)
-    return ms
+    return [1e3 * statistics.median(column) for column in zip(*times)]
 
 
-def auto_split(model: Transformer, rows: int, seq_len: int, num_stages: int,
-               device: torch.device) -> Split:
+def auto_split(model: Transformer, rows: int, seq_len: int, num_stages: int, device: torch.device) -> Split:
     """Measure the pieces on this rank, average over all ranks, choose (the same on each)."""
     ms = torch.tensor(measure_pieces(model, rows, seq_len, device), dtype=torch.float64, device=device)
     dist.all_reduce(ms)  # every rank measures, under the same load as the run; one answer
     piece_ms = (ms / dist.get_world_size()).tolist()
     split = choose_split(piece_ms, num_stages)
     per_layer = sum(piece_ms[1:-1]) / ((len(piece_ms) - 2) / 2)  # two halves a layer
-    log.info(f"--stage_layers auto: {format_layers(split.stage_layers)} (measured per micro-batch, "
-             f"forward + backward: embedding {piece_ms[0]:.1f} ms, a layer {per_layer:.1f} ms, "
+    log.info(f"--stage_layers auto: {' '.join(f'{n:g}' for n in split.stage_layers)} (measured per "
+             f"micro-batch, forward + backward: embedding {piece_ms[0]:.1f} ms, a layer {per_layer:.1f} ms, "
              f"head and loss {piece_ms[-1]:.1f} ms); predicted stage costs "
              f"{' / '.join(f'{c:.1f}' for c in split.predicted_ms)} ms, mean/slowest {split.balance:.3f}")
     return split
-
-
-def format_layers(stage_layers: Sequence[float]) -> str:
-    """``[4.5, 3.5]`` as ``4.5 3.5``, ``[5.0, 3.0]`` as ``5 3``: what --stage_layers takes."""
-    return " ".join(f"{n:g}" for n in stage_layers)

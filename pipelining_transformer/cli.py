@@ -1,11 +1,9 @@
-"""The extras' flags (``add_extra_args``), and ``check_args``: one line and exit 2, before any
-process starts, for what the ranks would fail on later. Also what the flags decide in a
-rank: ``placement``, the model's sizes, what a checkpoint records of the run.
+"""The extras' flags (``add_extra_args``); ``check_args``: one line and exit 2, before any process
+starts, for what the ranks would fail on later; what the flags decide in a rank (``placement``, ...).
 """
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
@@ -18,11 +16,10 @@ from pipelining_transformer.model import ModelArgs
 
 def schedule_name(text: str) -> str:
     """Accept a schedule's short name in any case ("gpipe", "ScheduleGPipe")."""
-    by_lower = {name.lower(): name for name in SCHEDULES}
-    name = by_lower.get(text.lower().removeprefix("schedule"))
+    name = {n.lower(): n for n in SCHEDULES}.get(text.lower().removeprefix("schedule"))
     if name is None:
-        raise argparse.ArgumentTypeError(
-            f"unknown schedule {text!r} (this PyTorch offers {', '.join(SCHEDULES)})")
+        raise argparse.ArgumentTypeError(f"unknown schedule {text!r} (this PyTorch offers "
+                                         f"{', '.join(SCHEDULES)})")
     return name
 
 
@@ -31,17 +28,16 @@ def layer_count(text: str) -> float | str:
     if text == "auto":
         return text
     try:
-        n = float(text)
+        if (n := float(text)) >= 0 and (2 * n) % 1 == 0:  # not nan, nor inf
+            return n
     except ValueError:
-        n = math.nan
-    if not (n >= 0 and (2 * n) % 1 == 0):  # nan fails too
-        raise argparse.ArgumentTypeError(f"a layer count is a whole or half number (5, 4.5) or "
-                                         f"'auto', got {text!r}")
-    return n
+        pass
+    raise argparse.ArgumentTypeError(f"a layer count is a whole or half number (5, 4.5) or 'auto', "
+                                     f"got {text!r}")
 
 
 def add_extra_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of the extras; none of them is on by default."""
+    """The extras' flags, none of them on by default."""
     parser.add_argument("--stage_layers", type=layer_count, nargs="+", default=None, metavar="N",
                         help="layers of each stage (default: as even as can be); 4.5 3.5 cuts "
                              "layer 4 between its attention and feed-forward; 'auto' measures "
@@ -65,13 +61,12 @@ def add_extra_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every check before launch; ``args.resume_path``: the checkpoint --resume resolves to, or None."""
     distkit.check_launch_args(parser, args, min_world_size=1)
-    for flag in ("n_microbatches", "batch_size", "seq_len", "steps", "dim", "n_layers",
-                 "n_heads", "vocab_size"):
+    for flag in ("n_microbatches", "batch_size", "seq_len", "steps", "dim", "n_layers", "n_heads",
+                 "vocab_size", "dp_size"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.dp_size < 1:
-        parser.error(f"--dp_size must be at least 1, got {args.dp_size}")
     if args.world_size % args.dp_size:
         parser.error(f"--world_size {args.world_size} is not divisible by --dp_size {args.dp_size}")
     if args.batch_size % (args.dp_size * args.n_microbatches):  # each replica: equal micro-batches
@@ -103,38 +98,32 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         try:  # the division the ranks will make, made once here
             stage_bounds(args.n_layers, n_stages, args.stage_layers)
         except ValueError:
-            parser.error(f"--stage_layers {' '.join(f'{n:g}' for n in args.stage_layers)}: "
-                         f"{args.schedule} {on} makes {n_stages} stages; give {n_stages} counts "
-                         f"adding up to --n_layers {args.n_layers} (halves allowed), each at least "
-                         f"0.5, the last at least 0")
-    problem = schedule_problem(args.schedule, pp_size, args.n_microbatches)
-    if problem:
-        parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} "
-                     f"{on}: {problem}")
-    check_checkpoint_args(parser, args)
-    distkit.check_placements(parser, args, placement)
-
-
-def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """Every rank a GPU of its own and NCCL, or all on the CPU with gloo (never the tutorial's
-    ``cuda:<rank>`` by fiat). Checked before launch; ``run_worker`` hands it to the rank."""
-    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
-
-
-def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Resolve --resume to one complete, compatible checkpoint (args.resume_path) or None."""
+            parser.error(f"--stage_layers {' '.join(f'{n:g}' for n in args.stage_layers)}: {args.schedule} "
+                         f"{on} makes {n_stages} stages; give {n_stages} counts adding up to --n_layers "
+                         f"{args.n_layers} (halves allowed), each at least 0.5, the last at least 0")
+    if problem := schedule_problem(args.schedule, pp_size, args.n_microbatches):
+        parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} {on}: {problem}")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint_every must be at least 0, got {args.checkpoint_every}")
     if args.checkpoint_every and not args.checkpoint_dir:
         parser.error("--checkpoint_every needs --checkpoint_dir")
     if args.resume == "latest" and not args.checkpoint_dir:
         parser.error("--resume without a PATH needs --checkpoint_dir")
-    try:
-        args.resume_path = checkpoint.resume_path(args.resume, args.checkpoint_dir,
-                                                  model_args_from(args), args.optimizer,
-                                                  data_settings_from(args))
-    except ValueError as e:
-        parser.error(str(e))
+    # --resume: a complete checkpoint (latest_complete checks the newest) this run can go on from, or None
+    latest = args.resume == "latest"
+    path = checkpoint.latest_complete(args.checkpoint_dir) if latest else args.resume
+    if path is not None:
+        why = (None if latest else checkpoint.problem(path)) or checkpoint.incompatibility(
+            path, model_args_from(args), args.optimizer, data_settings_from(args))
+        if why:
+            parser.error(f"cannot resume from {path}: {why}")
+    args.resume_path = None if path is None else str(path)
+    distkit.check_placements(parser, args, placement)
+
+
+def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+    """Every rank a GPU of its own and NCCL, or all on the CPU with gloo (not ``cuda:<rank>`` by fiat)."""
+    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
 
 
 def model_args_from(args: argparse.Namespace) -> ModelArgs:
@@ -147,10 +136,7 @@ def data_settings_from(args: argparse.Namespace) -> dict[str, int]:
 
 
 def layout_from(args: argparse.Namespace, layout: StageLayout, device: torch.device) -> str:
-    """What fixes each rank's random draws (stages, micro-batches, device): a resume in the
-    same layout gets every rank's random state back (the split auto chose, with auto)."""
+    """What fixes each rank's random draws: a resume in the same layout gets its random state back."""
     layers = f" stage_layers={','.join(f'{n:g}' for n in layout.chosen)}" if layout.chosen else ""
-    return (f"world_size={args.world_size} dp_size={args.dp_size} "
-            f"schedule={args.schedule} split={args.split}{layers} "
-            f"n_microbatches={args.n_microbatches} device={device.type}")
-
+    return (f"world_size={args.world_size} dp_size={args.dp_size} schedule={args.schedule} "
+            f"split={args.split}{layers} n_microbatches={args.n_microbatches} device={device.type}")

@@ -1,9 +1,6 @@
-"""``--dp_size``: pipeline x data parallelism, layered on the tutorial's one pipeline.
-
-A ("dp", "pp") device mesh of ``dp_size`` pipeline replicas; each replica reads its share
-of every batch (``replica_rows``), its stages' gradients are averaged over the replicas
-(``shard_over_dp``, FSDP2) and the loss is their mean (``mean_over_replicas``).
-"""
+"""``--dp_size``: pipeline x data parallelism on a ("dp", "pp") mesh of ``dp_size`` pipelines; each
+replica reads its share of every batch (``replica_rows``), its stages' gradients are averaged over
+the replicas (``shard_over_dp``, FSDP2) and the loss is their mean (``mean_over_replicas``)."""
 from __future__ import annotations
 
 import torch
@@ -14,34 +11,26 @@ from torch.distributed.pipelining import PipelineStage
 
 
 def shard_over_dp(stage: PipelineStage, dp_mesh: DeviceMesh) -> None:
-    """Average the stage's gradients over its replicas: FSDP2 (``fully_shard``) on the stage.
-
-    Not DDP: PyTorch's schedules drive FSDP2 in every schedule (one reduce-scatter per step),
-    while DDP's hooks never fire in the zero-bubble schedules' split backward, which left
-    ZBVZeroBubble's gradients silently not averaged (docs/pipelining_transformer.md).
-    ``reshard_after_forward=False``: the weights are gathered once per step. Call it before
-    the optimizers are built: they must hold the sharded (DTensor) parameters.
-    """
+    """Average the stage's gradients over its replicas with FSDP2, which every schedule drives (DDP's hooks
+    miss the zero-bubble split backward: docs); weights gathered once a step; before the optimizers."""
     fully_shard(stage.submod, mesh=dp_mesh, reshard_after_forward=False)
 
 
 def device_mesh(device: torch.device, world_size: int, dp_size: int) -> DeviceMesh:
-    """The ("dp", "pp") mesh of ``dp_size`` pipelines, row-major (rank = dp_rank * pp_size +
-    pp_rank): each pipeline a block of consecutive ranks. ``dp_size`` 1: the tutorial's one."""
+    """The mesh of ``dp_size`` pipelines, each a block of consecutive ranks (dp_rank * pp_size + pp_rank)."""
     if world_size % dp_size:
         raise ValueError(f"world size {world_size} is not divisible by dp_size {dp_size}")
     return init_device_mesh(device.type, (dp_size, world_size // dp_size), mesh_dim_names=("dp", "pp"))
 
 
 def replica_rows(batch: tuple[torch.Tensor, ...], dp_rank: int, dp_size: int) -> tuple[torch.Tensor, ...]:
-    """Replica ``dp_rank``'s contiguous slice of each tensor of the batch: in replica order,
-    the micro-batches one pipeline with ``dp_size`` times as many would cut."""
+    """Replica ``dp_rank``'s contiguous slice of each tensor: the micro-batches, in replica order, that
+    one pipeline with ``dp_size`` times as many would cut."""
     return tuple(t.chunk(dp_size)[dp_rank] for t in batch) if dp_size > 1 else batch
 
 
 def mean_over_replicas(loss: torch.Tensor, dp_size: int, dp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The mean of ``loss`` over the replicas: a collective over the dp group (every rank
-    holding the last stage calls it); same-sized micro-batches make it the batch's mean."""
+    """The mean of ``loss`` over the replicas (a collective of the last stage's ranks): the batch's."""
     if dp_size > 1:
         dist.all_reduce(loss, group=dp_group)  # SUM: gloo has no AVG
         loss /= dp_size

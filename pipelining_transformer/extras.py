@@ -1,14 +1,6 @@
-"""What is layered on the tutorial's code: one hook per phase, each holding every extra of it.
-
-  build  ``on_build(stages, args, env)``, in ``main.build_rank``: the stages worked around
-         for gloo (workarounds.py) and, with --dp_size, sharded over the replicas (dp.py)
-  start  ``Hooks(args, pp, callbacks_for)``, in ``main.train``: logs where the stages are,
-         resumes (--resume: ``first_step``), starts torch.profiler (--trace) and the step
-         callbacks the flags ask for: ``LossLog`` (--loss_log), ``Checkpoints``
-         (--checkpoint_dir) and, always, ``Summary`` (steps, seconds, peak memory, losses)
-  step   ``Hooks.on_step_end(step, loss)``: after each step
-  end    ``Hooks.on_train_end()``: the run's summary, which ``main.run_worker`` returns to
-         the launcher and ``exit_status`` judges
+"""What is layered on the tutorial's code, one hook per phase: ``on_build`` (build: two gloo workarounds,
+--dp_size); ``Hooks(...)`` (start: the stages logged, --resume, --trace, the flags' step callbacks
+``LossLog`` and ``Checkpoints``), ``.on_step_end`` (step), ``.on_train_end`` (end: the run's summary).
 """
 from __future__ import annotations
 
@@ -21,95 +13,110 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 import distkit
-from pipelining_transformer import checkpoint, dp, workarounds
+from pipelining_transformer import checkpoint, dp
 from pipelining_transformer.cli import data_settings_from, layout_from
+from pipelining_transformer.layout import Place
 
 log = logging.getLogger(__name__)
 
 
-class Replica(Protocol):
-    """``main.DistEnv`` as this module sees it (main imports this module)."""
-
-    dp_size: int
-    mesh: DeviceMesh | None
-
-    @property
-    def dp_rank(self) -> int: ...
-
-
-def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: Replica) -> list[PipelineStage]:
+def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: Place) -> list[PipelineStage]:
     """The build phase's extras, on the stages the tutorial's split built."""
     for stage in stages:
-        workarounds.apply(stage)  # torch's pipelining on gloo (workarounds.py)
+        _send_contiguous_input_grads(stage)  # torch's pipelining on gloo; harmless on NCCL
+        _skip_warmup_with_itself(stage)
         if env.dp_size > 1:
             dp.shard_over_dp(stage, env.mesh["dp"])  # before main.build_rank makes the optimizers
     if env.dp_rank:
-        # the replicas' own dropout masks (replica 0 keeps those of a run without --dp_size);
-        # after the split, which draws no random numbers: the weights are every rank's same
+        # each replica's own dropout masks (replica 0's: a run's without --dp_size), after the split
         torch.manual_seed(args.seed + 1_000_003 * env.dp_rank)
     return stages
+
+
+def _send_contiguous_input_grads(stage: PipelineStage) -> None:
+    """The gradient a stage sends back, made contiguous: attention (batch_first) makes it a transposed
+    view, which a manual ``PipelineStage`` and the zero-bubble schedules' input-only backward send as
+    it is, and gloo refuses ("input tensor has to be contiguous")."""
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                a.register_hook(torch.Tensor.contiguous)
+
+    stage.submod.register_forward_pre_hook(hook)
+
+
+def _skip_warmup_with_itself(stage: PipelineStage) -> None:
+    """No warm-up send/recv to a stage's own rank: a traced stage (a manual one too in torch 2.10's
+    multi-stage schedules) greets both neighbours, even one on its rank (ZBV, DualPipeV), and gloo
+    cannot send to itself ("Pair is not connected"); stages on one rank hand over in memory."""
+    # private API (no public hook filters the warm-up); torch 2.15 has no such warm-up to patch
+    if (neighbour_ops := getattr(stage, "_get_init_p2p_neighbors_ops", None)) is None:
+        return
+
+    def without_self() -> list[dist.P2POp]:
+        return [op for op in neighbour_ops() if op.group_peer != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = without_self
 
 
 class Hooks:
     """The start, step and end hooks of ``main.train`` (see the module docstring)."""
 
     def __init__(self, args: argparse.Namespace, pp,
-                 callbacks_for: Callable[[argparse.Namespace, object], list[StepCallback]]
-                 ) -> None:
+                 callbacks_for: Callable[[argparse.Namespace, object], list[StepCallback]]) -> None:
         self.args, self.pp = args, pp
         replica = f", replica {pp.dp_rank} of {pp.dp_size}" if pp.dp_size > 1 else ""
         log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
                  f"({args.schedule}, {args.split} split{replica}) on {pp.device}")
-        self.first_step = resume(args, pp)  # 0 unless --resume finds a checkpoint
-        # --trace: the steps under torch.profiler, with the schedule's own spans ("Forward 0",
-        # "PP:0F1"), written to DIR/rank<r>.json when the training ends
+        # --resume: the checkpoint check_args chose, once every rank is seen to have chosen the same (each
+        # picks the newest itself; a marker seen by one machine first would split the steps, silently)
+        chosen: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(chosen, args.resume_path)
+        if len(set(chosen)) > 1:
+            raise RuntimeError("the ranks chose different checkpoints to resume from: " +
+                               ", ".join(f"rank {r}: {p}" for r, p in enumerate(chosen)))
+        self.first_step = 0  # the next batch: 0, or the step saved
+        if args.resume_path:
+            self.first_step = checkpoint.load(args.resume_path, parts_of(pp),
+                                              layout_from(args, pp.layout, pp.device))
+            log.info(f"resumed from {args.resume_path} after step {self.first_step}")
+        # --trace: torch.profiler with the schedule's own spans, written to DIR/rank<r>.json at the end
         self.profiler = contextlib.ExitStack()
         self.profiler.enter_context(distkit.profiled(args.trace, f"rank{dist.get_rank()}"))
-        self.summary = Summary(args)
-        self.callbacks = [self.summary, *callbacks_for(args, pp)]
-        for callback in self.callbacks:
-            callback.on_train_begin(self.first_step)
+        self.losses: list[float] = []
+        self.callbacks = callbacks_for(args, pp)
+        self.start = time.perf_counter()
 
     def on_step_end(self, step: int, loss: float | None) -> None:
+        if loss is not None:
+            self.losses.append(loss)
         for callback in self.callbacks:
             callback.on_step_end(step, loss)
 
     def on_train_end(self) -> dict:
         self.profiler.close()
+        seconds = time.perf_counter() - self.start
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak resident; Linux: KiB
+        losses = f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}" if self.losses else ""
+        log.info(f"{self.args.steps - self.first_step} steps in {seconds:.1f} s, "
+                 f"peak memory {peak_mb:.0f} MB{losses}")
         for callback in self.callbacks:
             callback.on_train_end()
-        # the split the run used (with --stage_layers auto, the one it chose)
-        return {**self.summary.result(), "stage_layers": list(self.pp.layout.stage_layers)}
-
-
-def resume(args: argparse.Namespace, pp) -> int:
-    """--resume: load the checkpoint check_args chose, and return its step (0: a fresh start).
-
-    The step saved is also the data position: batch ``step`` is the next one to read.
-    """
-    # each rank (each restarted torchrun worker too) chose for itself: the same one?
-    if not checkpoint.same_on_every_rank(args.resume_path):
-        return 0
-    first = checkpoint.load(args.resume_path, parts_of(pp), layout_from(args, pp.layout, pp.device))
-    log.info(f"resumed from {args.resume_path} after step {first}")
-    return first
+        # what main.run_worker returns to the launcher, with the split the run used (auto's choice)
+        return {"losses": self.losses or None, "seconds": seconds, "peak_mb": peak_mb,
+                "first_step": self.first_step, "stage_layers": list(self.pp.layout.stage_layers)}
 
 
 def exit_status(results: dict) -> int:
-    """0, or 1 if the loss of a run from step 0 did not fall.
-
-    Judged on runs from step 0 only: what is left after a resume (a torchrun restart late
-    in the run) may be too few steps to fall, and a non-zero exit would make torchrun restart.
-    """
+    """0, or 1 if the loss of a run from step 0 did not fall (after a resume, a torchrun restart late
+    in the run, too few steps may be left to fall, and a non-zero exit would make torchrun restart)."""
     losses = [r["losses"] for r in results.values() if r and r["losses"] and r["first_step"] == 0]
     if losses and len(losses[0]) > 1 and not losses[0][-1] < losses[0][0]:
         print(f"The loss did not fall: {losses[0][0]:.4f} -> {losses[0][-1]:.4f}", file=sys.stderr)
@@ -118,12 +125,7 @@ def exit_status(results: dict) -> int:
 
 
 class StepCallback:
-    """What ``Hooks`` calls: before the first step (``first_step``: 0, or where a resume goes
-    on), after every step (``step`` 0-based, ``loss`` on the rank that reports it, else
-    None), and after the last."""
-
-    def on_train_begin(self, first_step: int) -> None:
-        pass
+    """What ``Hooks`` calls after each step (``loss``: on the reporting rank, else None) and at the end."""
 
     def on_step_end(self, step: int, loss: float | None) -> None:
         pass
@@ -162,8 +164,7 @@ class Checkpoints(StepCallback):
     """--checkpoint_dir: save every --checkpoint_every steps and after the last (a collective)."""
 
     def __init__(self, args: argparse.Namespace, pp) -> None:
-        self.args, self.parts = args, parts_of(pp)
-        self.layout = layout_from(args, pp.layout, pp.device)
+        self.args, self.parts, self.layout = args, parts_of(pp), layout_from(args, pp.layout, pp.device)
 
     def on_step_end(self, step: int, loss: float | None) -> None:
         done, every = step + 1, self.args.checkpoint_every
@@ -171,8 +172,7 @@ class Checkpoints(StepCallback):
             try:
                 path = checkpoint.save(self.args.checkpoint_dir, done, self.parts,
                                        data_settings_from(self.args), self.layout)
-            # a full disk, a directory taken away: where, when, what is left (DCP's
-            # CheckpointException is a BaseException, the others' errors gathered on each rank)
+            # a full disk, a directory gone: where, when, what is left (DCP's error is a BaseException)
             except (Exception, CheckpointException) as e:
                 previous = checkpoint.latest_complete(self.args.checkpoint_dir)
                 raise RuntimeError(f"--checkpoint_dir {self.args.checkpoint_dir}: cannot save step "
@@ -181,42 +181,8 @@ class Checkpoints(StepCallback):
             log.info(f"checkpoint {path} complete")
 
 
-class Summary(StepCallback):
-    """Always on: the run's losses, time and peak memory, logged at the end and returned."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.losses: list[float] = []
-        self.seconds = self.peak_mb = 0.0
-
-    def on_train_begin(self, first_step: int) -> None:
-        self.steps, self.first = self.args.steps - first_step, first_step
-        self.start = time.perf_counter()
-
-    def on_step_end(self, step: int, loss: float | None) -> None:
-        if loss is not None:
-            self.losses.append(loss)
-
-    def on_train_end(self) -> None:
-        self.seconds = time.perf_counter() - self.start
-        # peak resident memory of this process (Linux reports KiB)
-        self.peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        text = f"{self.steps} steps in {self.seconds:.1f} s, peak memory {self.peak_mb:.0f} MB"
-        if self.losses:
-            text += f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}"
-        log.info(text)
-
-    def result(self) -> dict:
-        """What ``main.run_worker`` returns to the launcher (``exit_status`` reads it)."""
-        return {"losses": self.losses or None, "seconds": self.seconds, "peak_mb": self.peak_mb,
-                "first_step": self.first}
-
-
 def callbacks_for(args: argparse.Namespace, pp) -> list[StepCallback]:
-    """The callbacks the flags ask for (``Hooks`` adds ``Summary`` itself)."""
-    callbacks: list[StepCallback] = []
-    if args.loss_log and pp.reports:
-        callbacks.append(LossLog(args.loss_log))
+    callbacks: list[StepCallback] = [LossLog(args.loss_log)] if args.loss_log and pp.reports else []
     if args.checkpoint_dir:
         callbacks.append(Checkpoints(args, pp))
     return callbacks

@@ -1,9 +1,6 @@
-"""The stage layout: which layers (or halves) each stage owns, which stages this rank runs.
-
-The tutorial's ``stage_index = rank``, ``num_stages = world_size`` and its hard-coded cuts
-(``range(4, 8)``, ``"layers.4"``), for any number of stages: even, ``--stage_layers 4.5
-3.5`` or ``auto`` (balance.py), two per rank in the multi-stage schedules. ``stage_layout``
-works it out once per run; ``main.build_rank`` hands it to the splits and the checkpoints.
+"""The stage layout: which layers (or halves) each stage owns, which stages this rank runs. The tutorial's
+``stage_index = rank``, ``num_stages = world_size`` and cuts (``"layers.4"``) for any number of stages:
+even, ``--stage_layers 4.5 3.5`` or ``auto`` (balance.py), two per rank in the multi-stage schedules.
 """
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -21,24 +19,19 @@ from pipelining_transformer import balance
 from pipelining_transformer.model import Transformer
 
 
-class Place(Protocol):
-    """``main.DistEnv`` as this module sees it (main imports this module)."""
-
+class Place(Protocol):  # main.DistEnv as layout.py and extras.py see it (main imports them)
     dp_size: int
     device: torch.device
-
-    @property
-    def pp_rank(self) -> int: ...
-
-    @property
-    def pp_size(self) -> int: ...
+    mesh: torch.distributed.device_mesh.DeviceMesh | None
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
 
 
 def stage_bounds(n_layers: int, num_stages: int, sizes: Sequence[float] | None = None
                  ) -> list[tuple[float, float]]:
-    """Where each stage starts and ends, in layers: ``sizes[s]`` layers for stage s (halves
-    allowed, at least 0.5, the last at least 0), or as even as can be, earlier stages taking
-    the remainder."""
+    """Where each stage starts and ends, in layers: ``sizes[s]`` layers for stage s (halves allowed, at
+    least 0.5, the last at least 0), or as even as can be, earlier stages taking the remainder."""
     if sizes is None:
         if not 1 <= num_stages <= n_layers:
             raise ValueError(f"cannot give {num_stages} stages at least one of {n_layers} layers each")
@@ -49,9 +42,7 @@ def stage_bounds(n_layers: int, num_stages: int, sizes: Sequence[float] | None =
         raise ValueError(f"{num_stages} stages need {num_stages} layer counts (halves allowed, "
                          f"at least 0.5, the last at least 0) that add up to {n_layers}, "
                          f"got {' '.join(f'{n:g}' for n in sizes)}")
-    bounds = [0.0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
+    bounds = list(accumulate(sizes, initial=0.0))
     return list(zip(bounds, bounds[1:]))
 
 
@@ -60,13 +51,11 @@ class StageLayout:
     """Which layers (or halves of layers) each stage owns, and which stages this rank holds."""
 
     n_layers: int
-    # stage s owns the layers from bounds[s][0] to bounds[s][1]; a bound ending in .5 falls
-    # between a layer's attention and its feed-forward block
+    # each stage's (start, end) in layers; a .5 falls between a layer's attention and feed-forward
     bounds: tuple[tuple[float, float], ...]
     stage_indices: tuple[int, ...]  # this rank's stages, in the order its schedule expects
     rows: int  # of one micro-batch: the tracer's example input, what auto measured with
-    # the counts --stage_layers gave or auto chose; None: as even as can be (then the
-    # checkpoints' layout does not name them, as before there was a choice)
+    # the counts --stage_layers gave or auto chose; None: even (checkpoints' layout then names none)
     chosen: tuple[float, ...] | None = None
 
     @property
@@ -85,18 +74,20 @@ class StageLayout:
 
     @property
     def split_points(self) -> list[str]:
-        """Where the tracer cuts: before the first layer (or half) of every stage but the first."""
-        return [balance.split_point(start, self.n_layers) for start, _ in self.bounds[1:]]
+        """Where the tracer cuts: before the first layer of every stage but the first, or its feed-forward
+        block's first call (linear1) for a half, or "norm" before a last stage of the head alone."""
+        return ["norm" if start == self.n_layers else f"layers.{int(start)}{'.linear1' if start % 1 else ''}"
+                for start, _ in self.bounds[1:]]
 
     def stage_models(self, model: Transformer) -> list[tuple[Transformer, int]]:
-        """This rank's stages for the manual split: (the model to cut, the stage index).
-
-        Every stage but the last gets a copy, the last the model itself; a layer the stage
-        owns only half of is already replaced by that half (balance.HalfLayer).
-        """
+        """This rank's stages for the manual split: (the model to cut, the stage index); a copy for
+        all but the last, a layer the stage owns only half of replaced by that half (HalfLayer)."""
         models = [copy.deepcopy(model) for _ in self.stage_indices[1:]] + [model]
         for m, i in zip(models, self.stage_indices):
-            balance.halve(m, self.bounds[i])
+            # a stage starting in the middle of a layer owns its feed-forward, one ending there its attention
+            for bound, part in zip(self.bounds[i], (balance.FEED_FORWARD, balance.ATTENTION)):
+                if bound % 1:
+                    m.layers[str(int(bound))] = balance.HalfLayer(m.layers[str(int(bound))], part)
         return list(zip(models, self.stage_indices))
 
 
@@ -108,7 +99,6 @@ def stage_layout(args: argparse.Namespace, place: Place, model: Transformer) -> 
     sizes = args.stage_layers
     if sizes == "auto":
         sizes = balance.auto_split(model, rows, args.seq_len, num_stages, place.device).stage_layers
-    bounds = stage_bounds(args.n_layers, num_stages, sizes)
-    return StageLayout(args.n_layers, tuple(bounds),
+    return StageLayout(args.n_layers, tuple(stage_bounds(args.n_layers, num_stages, sizes)),
                        tuple(stage_indices_for(args.schedule, place.pp_rank, place.pp_size)), rows,
                        tuple(sizes) if sizes else None)

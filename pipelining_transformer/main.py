@@ -1,28 +1,14 @@
 """Pipeline-parallel training of a GPT-style transformer with torch.distributed.pipelining.
 
-The tutorial "Introduction to Distributed Pipeline Parallelism", top to bottom:
-``init_distributed``, the model cut into stages (``manual_model_split`` or
-``tracer_model_split``), ``ScheduleGPipe(stage, n_microbatches=..., loss_fn=tokenwise_loss_fn)``
-and the rank-dependent ``schedule.step`` (in ``PipelineRank.forward_backward``), trained for
---steps steps. The model is in model.py. Roles:
-  the rank holding stage 0      feeds the tokens: ``schedule.step(x)``
-  the rank holding the last     feeds the targets, gets each micro-batch's loss and prints
-                                the batch's: ``schedule.step(target=y, losses=losses)``
-  any rank in between           relays activations and gradients: ``schedule.step()``
-  every rank                    steps one optimizer per stage
-
-Run on one machine (spawns the processes, CPU + gloo unless a GPU per process is visible):
-    python pipelining_transformer/main.py --world_size 2
-    python pipelining_transformer/main.py --world_size 4 --schedule Interleaved1F1B --split tracer
-One rank per process under torchrun, as the tutorial launches it:
-    torchrun --nproc_per_node 2 pipelining_transformer/main.py
-The model is the tutorial's (dim 512, 8 layers, 8 heads, vocabulary 10000); the batch is
-CPU-sized (8 x 16 tokens, not the tutorial's 32 x 500). Exit status 0 if the loss fell.
-
-Beyond the tutorial, each behind its flag (docs/pipelining_transformer.md): every schedule
-PyTorch offers, --stage_layers (layout.py, balance.py), --dp_size (dp.py), --loss_log,
---trace (torch.profiler), checkpoints (checkpoint.py). They enter the tutorial's functions
-by one named hook per phase: the mesh, ``extras.on_build`` and ``extras.Hooks``.
+The tutorial "Introduction to Distributed Pipeline Parallelism", top to bottom (its model in model.py):
+``init_distributed``, the model cut into stages (``manual_model_split`` or ``tracer_model_split``),
+``ScheduleGPipe`` and the step by role (``PipelineRank.forward_backward``), --steps times; exit status
+0 if the loss fell. Each extra is behind its flag and enters by a named hook (docs/pipelining_transformer.md).
+Roles: the rank holding stage 0 feeds the tokens (``schedule.step(x)``); the one holding the last stage
+feeds the targets and prints the batch's loss (``schedule.step(target=y, losses=losses)``); any rank in
+between relays activations and gradients (``schedule.step()``); every rank steps an optimizer per stage.
+    python pipelining_transformer/main.py --world_size 2   # spawned here; gloo unless a GPU each
+    torchrun --nproc_per_node 2 pipelining_transformer/main.py   # as the tutorial launches it
 """
 from __future__ import annotations
 
@@ -35,8 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
 
 import distkit
@@ -52,54 +36,39 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DistEnv:
-    """The tutorial's globals (rank, device, pp_group) as one value, and this rank's place on
-    the ("dp", "pp") mesh (``dp_size`` 1 unless --dp_size). ``stage_index`` and ``num_stages``
-    are the stage layout's (layout.py)."""
+    """The tutorial's globals (rank, device, pp_group) as one value, and this rank's place on the mesh."""
 
     rank: int
     world_size: int
     device: torch.device
     pp_group: dist.ProcessGroup  # the ranks of this pipeline: the stages' send/recv
-    mesh: DeviceMesh | None = None
+    mesh: dist.device_mesh.DeviceMesh | None = None
     dp_size: int = 1
 
-    @property
-    def pp_size(self) -> int:
-        return self.world_size // self.dp_size
-
-    @property
-    def pp_rank(self) -> int:  # the tutorial's stage_index, with one stage per rank
-        return self.rank % self.pp_size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.pp_size
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:  # this rank's stages in the other replicas
-        return self.mesh["dp"].get_group() if self.mesh is not None else None
+    def __post_init__(self) -> None:
+        self.pp_size: int = self.world_size // self.dp_size
+        self.pp_rank: int = self.rank % self.pp_size  # the tutorial's stage_index, one stage per rank
+        self.dp_rank: int = self.rank // self.pp_size
+        # this rank's stages in the other replicas
+        self.dp_group: dist.ProcessGroup | None = self.mesh["dp"].get_group() if self.mesh is not None else None
 
 
 def init_distributed(where: distkit.Placement, dp_size: int = 1) -> DistEnv:
-    """Join the process group torchrun (or distkit) describes, on ``where`` (``placement``'s
-    choice: a GPU per process, or the CPU); ``pp_group`` for send/recv."""
+    """Join the process group torchrun (or distkit) describes, on ``placement``'s ``where``."""
     rank = int(os.environ["RANK"])  # the tutorial used LOCAL_RANK: wrong beyond one machine
     world_size = int(os.environ["WORLD_SIZE"])
     distkit.take_placement("pp", rank, world_size, where)  # one backend on every machine
-    # under torchrun, a store of this restart's own: a restarted group would otherwise meet
-    # the addresses its killed predecessor left in torchrun's store (see distkit)
+    # under torchrun, a store of this restart's own, not the one its killed predecessor left (distkit)
     dist.init_process_group(backend=where.backend, store=distkit.process_group_store(),
                             rank=rank, world_size=world_size)
-    # "This group can be a sub-group in the N-D parallel case": it is, of a ("dp", "pp")
-    # mesh of --dp_size pipelines (dp.py); one pipeline of every rank by default
+    # "a sub-group in the N-D parallel case": of a ("dp", "pp") mesh (dp.py), one pipeline by default
     mesh = dp.device_mesh(where.device, world_size, dp_size)
     pp_group = mesh["pp"].get_group()
     return DistEnv(rank, world_size, where.device, pp_group, mesh, dp_size)
 
 
 def manual_model_split(model: Transformer, stage_index: int, num_stages: int, layers: range,
-                       device: torch.device, pp_group: dist.ProcessGroup | None = None
-                       ) -> PipelineStage:
+                       device: torch.device, pp_group: dist.ProcessGroup | None = None) -> PipelineStage:
     """Option 1: stage ``stage_index`` is ``model`` itself, without the parts other stages own."""
     for i in list(model.layers):
         if int(i) not in layers:
@@ -123,8 +92,7 @@ def manual_model_split(model: Transformer, stage_index: int, num_stages: int, la
 def tracer_model_split(model: Transformer, example_input_microbatch: torch.Tensor,
                        split_points: list[str], stage_indices: Sequence[int], device: torch.device,
                        pp_group: dist.ProcessGroup | None = None) -> list[PipelineStage]:
-    """Option 2: trace ``model``, cut it before each submodule in ``split_points`` (like
-    "layers.4"), build this rank's stages (one, or two for a multi-stage schedule)."""
+    """Option 2: trace ``model``, cut before each of ``split_points`` ("layers.4"), build this rank's stages."""
     pipe = pipeline(
         module=model,
         mb_args=(example_input_microbatch,),
@@ -148,12 +116,9 @@ class PipelineRank:
     def __init__(self, stages: list[PipelineStage], schedule, optimizers: list[torch.optim.Optimizer],
                  env: DistEnv, layout: StageLayout) -> None:
         self.stages, self.schedule, self.optimizers = stages, schedule, optimizers
-        self.layout = layout  # which layers each stage owns (what checkpoints record)
-        self.num_stages = layout.num_stages
-        self.device = env.device
+        self.layout, self.num_stages, self.device = layout, layout.num_stages, env.device
         self.dp_rank, self.dp_size, self.dp_group = env.dp_rank, env.dp_size, env.dp_group
-        self.has_first = any(s.is_first for s in stages)
-        self.has_last = any(s.is_last for s in stages)
+        self.has_first, self.has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
         self.reports = self.has_last and self.dp_rank == 0  # one rank prints the batch's loss
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
@@ -178,15 +143,13 @@ class PipelineRank:
             opt.step()
 
     def batch_loss(self, losses: list[torch.Tensor] | None, step: int) -> float | None:
-        """The batch's mean loss where the last stage is (None elsewhere), over the replicas
-        with --dp_size (a collective); a loss that is not finite ends the run."""
+        """The batch's mean loss where the last stage is (a collective over the replicas), else None."""
         if losses is None:
             return None
-        loss = torch.stack(losses).detach().mean()
-        loss = dp.mean_over_replicas(loss, self.dp_size, self.dp_group).item()
-        return distkit.check_finite(loss, f"step {step + 1}")
+        loss = dp.mean_over_replicas(torch.stack(losses).detach().mean(), self.dp_size, self.dp_group).item()
+        return distkit.check_finite(loss, f"step {step + 1}")  # not finite: the run ends
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters under the full model's names ("layers.3.linear1.weight")."""
         for stage in self.stages:
             yield from stage.submod.named_parameters()
@@ -229,7 +192,6 @@ def train(args: argparse.Namespace, env: DistEnv, callbacks_for=extras.callbacks
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """Every rank: join the group, train its stages, leave."""
     env = init_distributed(placement(worker, args), args.dp_size)
     result = train(args, env)
     dist.destroy_process_group()
@@ -255,11 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
     model = parser.add_argument_group("model (defaults: the tutorial's ModelArgs)")
     defaults = ModelArgs()
-    model.add_argument("--dim", type=int, default=defaults.dim)
-    model.add_argument("--n_layers", type=int, default=defaults.n_layers)
-    model.add_argument("--n_heads", type=int, default=defaults.n_heads)
-    model.add_argument("--vocab_size", type=int, default=defaults.vocab_size)
-    model.add_argument("--dropout", type=float, default=defaults.dropout)
+    for name in ("dim", "n_layers", "n_heads", "vocab_size", "dropout"):
+        model.add_argument(f"--{name}", type=type(getattr(defaults, name)), default=getattr(defaults, name))
     add_extra_args(parser)  # --stage_layers, --dp_size, --loss_log, --trace, checkpoints
     distkit.add_launch_args(parser, world_size=2, hang_timeout=300)
     return parser
@@ -269,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # as the tutorial runs it, torchrun starts one process per rank; without torchrun,
-    # mp.spawn starts --world_size of them here (distkit.Job: see rpc_rnn/main.py's main)
+    # torchrun starts one process per rank, as in the tutorial; else mp.spawn does (see distkit.Job)
     with distkit.Job(args) as job:
         if job.torchrun:
             job.run(run_worker, args)

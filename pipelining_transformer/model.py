@@ -22,11 +22,8 @@ class ModelArgs:
 
 
 class Transformer(nn.Module):
-    """A GPT-style stack of decoder layers whose parts can be set to ``None`` (or deleted).
-
-    Each pipeline stage is this same class with the parts it does not own removed, so a
-    stage's parameter names are the full model's ("layers.5.linear1.weight").
-    """
+    """A GPT-style stack of decoder layers; a pipeline stage is this class with the parts it does
+    not own set to ``None`` or deleted, so its parameter names are the full model's."""
 
     def __init__(self, model_args: ModelArgs) -> None:
         super().__init__()
@@ -35,9 +32,8 @@ class Transformer(nn.Module):
         # it does not own without renumbering the rest: names, and so checkpoints, survive.
         self.layers = nn.ModuleDict()
         for layer_id in range(model_args.n_layers):
-            # batch_first=True: the schedules cut micro-batches along dim 0, which must be
-            # the batch. The tutorial's default (batch_first=False) makes dim 0 the sequence,
-            # so attention mixed samples of a batch and micro-batching changed the result.
+            # batch_first=True: the schedules cut micro-batches along dim 0, which must be the batch;
+            # the tutorial's sequence-first default mixed a batch's samples in attention
             self.layers[str(layer_id)] = nn.TransformerDecoderLayer(
                 model_args.dim, model_args.n_heads, dropout=model_args.dropout, batch_first=True)
         self.norm = nn.LayerNorm(model_args.dim)
@@ -59,16 +55,11 @@ def tokenwise_loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 def synthetic_batch(step: int, batch_size: int, seq_len: int, vocab_size: int,
                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step ``step``'s tokens and targets; every rank draws the same ones.
-
-    Tokens follow Zipf's law, as words do, and each token's target is its successor id.
-    The tutorial's model has no position encoding, so this token-wise task is one it can
-    learn; frequent tokens are learned first and the loss falls within a few steps.
-    """
+    """Step ``step``'s tokens (Zipf's law, as words) and targets (each token's successor id: the tutorial's
+    model, without position encoding, learns it within a few steps), the same on every rank."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     zipf = 1.0 / torch.arange(1, vocab_size + 1, dtype=torch.float)
-    x = torch.multinomial(zipf, batch_size * seq_len, replacement=True, generator=gen)
-    x = x.view(batch_size, seq_len)
+    x = torch.multinomial(zipf, batch_size * seq_len, replacement=True, generator=gen).view(batch_size, seq_len)
     return x, (x + 1) % vocab_size
 
 

@@ -1,6 +1,9 @@
 """Distributed pipeline parallelism with RPC ("Distributed Pipeline Parallelism Using RPC"): rank 0, the
 master, holds DistResNet50 (model.py), makes the data, computes the loss and steps; worker1 and worker2 own
-its shards. A fresh model (same weights) per N in --splits trains on batches of N micro-batches, timed."""
+its shards. A fresh model (same weights) per N in --splits trains on batches of N micro-batches, timed.
+
+    python rpc_pipeline_resnet/main.py --splits 1 2 4   # spawns 3 processes (or: torchrun --nproc_per_node 3)
+"""
 from __future__ import annotations
 
 import argparse
