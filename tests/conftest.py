@@ -90,7 +90,7 @@ class Example:
     quick: tuple[str, ...]       # a run that finishes in seconds, exit status 0
     fault_rank: int              # the rank whose code is made to raise
     fault_target: str            # "module:attribute.path" that raises on its 2nd call
-    hung_rank: int | None = None  # a rank the driving rank waits on: SIGSTOPped, it must time out
+    hung_rank: int | None = None  # ddp_rpc: a rank the driving rank waits on: SIGSTOPped, it must time out
     driver: int = 0              # the rank that then reports the failure
     diverge: tuple[str, ...] = ()  # flags that make the loss non-finite (quick run + these)
     module: str = ""             # the module whose main() argv[0] runs (default: <name>.main)
@@ -105,7 +105,7 @@ EXAMPLES = {
         ("rpc_rl/main.py", "--world_size", "3", "--max_episodes", "100000", "--log_interval", "1"),
         r"Episode 1\t",
         ("rpc_rl/main.py", "--world_size", "2", "--reward_threshold", "0.5"),
-        0, "rpc_rl.agent:Agent.finish_episode", hung_rank=2, driver=0),
+        0, "rpc_rl.agent:Agent.finish_episode"),
     "ddp_rpc": Example(
         ("ddp_rpc/main.py", "--epochs", "100000", "--batches_per_epoch", "2", "--batch_size", "4"),
         r"loss",
@@ -116,7 +116,7 @@ EXAMPLES = {
         ("rpc_rnn/main.py", "--epochs", "100000", "--batches", "2"),
         r"loss",
         ("rpc_rnn/main.py", "--epochs", "1", "--batches", "2"),
-        1, "torch.distributed.autograd:backward", hung_rank=0, driver=1,
+        1, "torch.distributed.autograd:backward",
         diverge=("--lr", "3e38", "--batches", "3")),
     "rpc_pipeline_resnet": Example(
         ("rpc_pipeline_resnet/main.py", "--batch_size", "4", "--image_size", "32", "--splits", "2",
@@ -124,7 +124,7 @@ EXAMPLES = {
         r"Processing batch",
         ("rpc_pipeline_resnet/main.py", "--batch_size", "4", "--image_size", "32", "--splits", "2",
          "--num_batches", "1"),
-        0, "torch.distributed.autograd:backward", hung_rank=2, driver=0),
+        0, "torch.distributed.autograd:backward"),
     # the same ResNet halves with torch.distributed.pipelining: rank 1 computes the loss;
     # --splits 2, since torch 2.10's GPipe refuses 1 split for 2 stages
     "rpc_pipeline_resnet.pipelining": Example(

@@ -165,13 +165,11 @@ def test_four_runs_at_once_all_succeed():
 
 
 @pytest.mark.timeout(300)
-# rpc_pipeline_resnet's options: test_rpc_examples_have_a_bounded_rpc_timeout
-@pytest.mark.parametrize("name", [n for n, ex in sorted(EXAMPLES.items())
-                                  if ex.hung_rank is not None and n != "rpc_pipeline_resnet"])
-def test_lost_rpc_peer_times_out_instead_of_hanging(name):
-    # a peer that stops answering (SIGSTOP, not dead: the launcher cannot see it); every RPC
-    # to it, DDP's allreduce with it (ddp_rpc) and the master's wait (ddp_rpc) are bounded
-    ex = EXAMPLES[name]
+def test_lost_rpc_peer_times_out_instead_of_hanging():
+    # ddp_rpc's trainer stops answering (SIGSTOP, not dead: the launcher cannot see it); every RPC to
+    # it, DDP's allreduce with it and the master's wait are bounded. The other RPC examples' RPCs get
+    # --rpc_timeout from their options alone: test_rpc_examples_have_a_bounded_rpc_timeout
+    ex = EXAMPLES["ddp_rpc"]
     job = Job((*ex.argv, "--rpc_timeout", "5"))
     try:
         job.wait_for(ex.ready)
@@ -187,14 +185,30 @@ def test_lost_rpc_peer_times_out_instead_of_hanging(name):
         job.kill()
 
 
+class _Options(Exception):
+    """What a patched ``rpc.init_rpc`` raises, with the options it was given."""
+
+
+def _capture_options(*args, rpc_backend_options=None, **kwargs):
+    raise _Options(rpc_backend_options)
+
+
 @pytest.mark.parametrize("name", ["rpc_rl", "ddp_rpc", "rpc_rnn", "rpc_pipeline_resnet"])
-def test_rpc_examples_have_a_bounded_rpc_timeout(name):
+def test_rpc_examples_have_a_bounded_rpc_timeout(name, monkeypatch):
+    """Every RPC carries --rpc_timeout (a stopped peer ends the job, not a wait): the default is
+    bounded, and rpc_rl's and rpc_rnn's ranks (rpc_pipeline_resnet: its options) init RPC with it."""
     module = importlib.import_module(f"{name}.main")
     args = module.build_parser().parse_args([])
     assert 0 < args.rpc_timeout <= 300
-    if name == "rpc_pipeline_resnet":  # its lost-peer case is not run: its RPCs get the flag
-        args.rpc_timeout = 7.0
+    args.rpc_timeout = 7.0
+    if name == "rpc_pipeline_resnet":
         assert module.rpc_backend_options(args).rpc_timeout == 7.0
+    elif name != "ddp_rpc":  # ddp_rpc: its lost peer is run above
+        monkeypatch.setattr("torch.distributed.rpc.init_rpc", _capture_options)
+        for rank in (0, 1):
+            with pytest.raises(_Options) as given:
+                module.run_worker(distkit.Worker(rank, 2, rank, 2, "127.0.0.1", 0), args)
+            assert given.value.args[0].rpc_timeout == 7.0, (name, rank)
 
 
 @pytest.mark.timeout(300)

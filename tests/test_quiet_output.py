@@ -1,5 +1,5 @@
 """A user's run prints no warnings, and prints what its README shows: each example, launched
-as a user launches it, in a tiny configuration (the default one, made shorter), writes no
+as a user launches it, in its default configuration or a shorter one, writes no
 'Warning' line, and every line of its README's output excerpt (numbers aside) is among the
 lines it prints.
 
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.fast
 
 RUNS = {
     "rpc_rl": ("--world_size", "2", "--max_episodes", "2", "--log_interval", "1"),
-    "ddp_rpc": ("--epochs", "1", "--batches_per_epoch", "2"),
-    "rpc_rnn": ("--epochs", "1", "--batches", "3"),
+    "ddp_rpc": (),  # the default runs, the READMEs' commands: a few seconds of training each
+    "rpc_rnn": (),
     "rpc_pipeline_resnet": ("--splits", "1", "2", "--batch_size", "4", "--image_size", "33",
                             "--num_batches", "1", "--warmup", "0"),
     "pipelining_transformer": ("--steps", "2", "--dim", "32", "--n_heads", "2", "--n_layers", "2",
@@ -31,11 +31,26 @@ RUNS = {
 }
 DONE = {  # what each run prints once it has done its work
     "rpc_rl": "Episode 2\t", "ddp_rpc": "fc identical on all trainers: True",
-    "rpc_rnn": "in epoch 0", "rpc_pipeline_resnet": "losses with 2 split(s)", "pipelining_transformer": "2 steps in",
+    "rpc_rnn": "in epoch 9", "rpc_pipeline_resnet": "losses with 2 split(s)", "pipelining_transformer": "2 steps in",
     "rpc_pipeline_resnet/pipelining": "losses with 2 split(s)",
 }
 
 
+
+def _every_epoch_on_both_trainers(out: str) -> None:
+    for rank in (0, 1):
+        for epoch in range(10):
+            assert f"[rank {rank}] Training done for epoch {epoch}: loss " in out, out
+
+
+def _the_loss_falls(out: str) -> None:
+    """rpc_rnn's default run learns its pattern: from about ln(10) to under half of it."""
+    losses = [float(x) for x in re.findall(r"\[rank 1\] Training epoch \d+\tloss ([\d.]+)", out)]
+    assert len(losses) == 10 and losses[0] > 1.5 and losses[-1] < 0.5 * losses[0], out
+    assert f"loss {losses[0]:.4f} in epoch 0 -> {losses[-1]:.4f} in epoch 9" in out, out
+
+
+ALSO = {"ddp_rpc": _every_epoch_on_both_trainers, "rpc_rnn": _the_loss_falls}  # the default runs' own checks
 EXCERPT_HEADING = "## What you see"
 NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?"
 
@@ -87,6 +102,7 @@ def test_default_run_prints_no_warning(example):
     assert DONE[example] in out, out
     warnings = [line for line in out.splitlines() if re.search("warn", line, re.IGNORECASE)]
     assert not warnings, "\n".join(warnings)
+    ALSO.get(example, lambda out: None)(out)
     if "/" in example:  # a second script of an example: its README's excerpt is main.py's
         return
     # the README's excerpt of a default run: the same lines, whatever the numbers

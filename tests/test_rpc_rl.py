@@ -278,13 +278,12 @@ def test_one_observer_run_equals_single_process_reinforce(batch):
 
 
 def test_another_seed_gives_another_run():
-    # one seed, one run: test_one_observer_run_equals_single_process_reinforce (a seeded run
-    # equals its one-process replay); here the seed is seen to matter
-    argv = ("--world_size", "2", "--max_episodes", "4", "--log_interval", "100")
-    first = distkit.launch(run_worker, make_args(*argv, "--seed", "3"))[0]["rewards"]
-    other = distkit.launch(run_worker, make_args(*argv, "--seed", "4"))[0]["rewards"]
-    assert len(first) == 4
-    assert first != other
+    """--seed reaches the run: seed 3 plays seed 3's one-process replay, not seed 2's (which seed 2's run
+    plays: test_one_observer_run_equals_single_process_reinforce)."""
+    argv = ("--world_size", "2", "--max_episodes", "4", "--log_interval", "100", "--gamma", "0.95")
+    rewards = distkit.launch(run_worker, make_args(*argv, "--seed", "3"))[0]["rewards"]
+    assert rewards == _reinforce_in_one_process(seed=3, gamma=0.95, episodes=4)[0]
+    assert rewards != _reinforce_in_one_process(seed=2, gamma=0.95, episodes=4)[0]
 
 
 # the CLI stopping at --max_episodes, exit 1 and "Not solved": test_quiet_output.py's rpc_rl run
