@@ -95,8 +95,8 @@ def test_stagetrace_records_every_action_once_in_dependency_order(schedule):
 
 @pytest.mark.fast  # also on the oldest supported torch (.ci/run)
 def test_stagetrace_wraps_only_names_this_torch_has():
-    """scripts/stagetrace.py, the one module that assigns private torch attributes, wraps
-    names this PyTorch still has: a rename upstream fails here, naming what to re-check."""
+    """scripts/stagetrace.py, the one module that patches torch to measure, wraps names this
+    PyTorch still has: a rename upstream fails here, naming what to re-check."""
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, names in stagetrace.PATCHED
                for name in names if not hasattr(owner, name)]
     assert not missing, f"torch {torch.__version__} lacks {missing}: re-check scripts/stagetrace.py"
