@@ -378,15 +378,11 @@ def test_pipelining_transformer_dp2_x_pp2_one_replica_per_host(hosts, tmp_path):
     for run in runs:
         _assert_bound_to_own_address(run, ignore_ports=(DP_PORT,))
 
-    # the checkpoint both hosts wrote at step 2 is one model: one machine with one pipeline
-    # (dp=1 x pp=2) resumes from it and logs the two-host run's next losses
-    resumed_log = tmp_path / "resumed.jsonl"
-    resumed = run_cli("pipelining_transformer/main.py", *DP_PIPELINE, "--world_size", "2",
-                      "--dp_size", "1", "--resume", str(checkpoint.step_dir(ckpt, 2)),
-                      "--loss_log", str(resumed_log), timeout=180)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    next_losses = [json.loads(line)["loss"] for line in resumed_log.read_text().splitlines()]
-    torch.testing.assert_close(torch.tensor(next_losses), torch.tensor(logged[2:]))
+    # the checkpoint both hosts wrote at step 2 is one complete checkpoint, each rank's file in it
+    # (that a dp=2 x pp=2 checkpoint resumes in other layouts: tests/test_pipelining_dp.py)
+    saved = checkpoint.step_dir(ckpt, 2)
+    assert checkpoint.problem(saved) is None, checkpoint.problem(saved)
+    assert sorted(p.name for p in saved.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
 
 
 # --------------------- pipelining_transformer restarted by torchrun on both hosts after a kill

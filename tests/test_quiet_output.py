@@ -50,7 +50,15 @@ def _the_loss_falls(out: str) -> None:
     assert f"loss {losses[0]:.4f} in epoch 0 -> {losses[-1]:.4f} in epoch 9" in out, out
 
 
-ALSO = {"ddp_rpc": _every_epoch_on_both_trainers, "rpc_rnn": _the_loss_falls}  # the default runs' own checks
+def _every_split(out: str) -> None:
+    for n in (1, 2):
+        assert f"number of splits = {n}, execution time = " in out, out
+        assert f"[rank 0] losses with {n} split(s): " in out, out
+
+
+# each run's own checks: the default runs', and the lines of every --splits value
+ALSO = {"ddp_rpc": _every_epoch_on_both_trainers, "rpc_rnn": _the_loss_falls,
+        "rpc_pipeline_resnet": _every_split}
 EXCERPT_HEADING = "## What you see"
 NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?"
 
