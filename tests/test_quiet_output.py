@@ -25,16 +25,12 @@ RUNS = {
                             "--num_batches", "1", "--warmup", "0"),
     "pipelining_transformer": ("--steps", "2", "--dim", "32", "--n_heads", "2", "--n_layers", "2",
                                "--vocab_size", "64"),
-    # the same ResNet halves with torch.distributed.pipelining (rpc_pipeline_resnet/pipelining.py)
-    "rpc_pipeline_resnet/pipelining": ("--splits", "2", "--batch_size", "4", "--image_size", "33",
-                                       "--num_batches", "1", "--warmup", "0"),
+    # rpc_pipeline_resnet/pipelining.py: tests/test_resnet_two_pipelines.py, its README command
 }
 DONE = {  # what each run prints once it has done its work
     "rpc_rl": "Episode 2\t", "ddp_rpc": "fc identical on all trainers: True",
     "rpc_rnn": "in epoch 9", "rpc_pipeline_resnet": "losses with 2 split(s)", "pipelining_transformer": "2 steps in",
-    "rpc_pipeline_resnet/pipelining": "losses with 2 split(s)",
 }
-
 
 
 def _every_epoch_on_both_trainers(out: str) -> None:
@@ -100,8 +96,7 @@ def test_the_excerpt_check_can_fail(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("example", sorted(RUNS))
 def test_default_run_prints_no_warning(example):
-    script = f"{example}.py" if "/" in example else f"{example}/main.py"
-    proc = run_cli(script, *RUNS[example], timeout=240,
+    proc = run_cli(f"{example}/main.py", *RUNS[example], timeout=240,
                    env={"PYTHONWARNINGS": ""})  # what a user's shell has, whatever CI sets
     out = proc.stdout + proc.stderr
     # rpc_rl exits 1 when two episodes do not solve CartPole, as it should, and says so
@@ -111,8 +106,6 @@ def test_default_run_prints_no_warning(example):
     warnings = [line for line in out.splitlines() if re.search("warn", line, re.IGNORECASE)]
     assert not warnings, "\n".join(warnings)
     ALSO.get(example, lambda out: None)(out)
-    if "/" in example:  # a second script of an example: its README's excerpt is main.py's
-        return
     # the README's excerpt of a default run: the same lines, whatever the numbers
     missing = missing_lines(REPO / example / "README.md", out)
     assert not missing, "README lines this run did not print:\n" + "\n".join(missing) + "\n\n" + out

@@ -177,12 +177,15 @@ def readme_command(script: str) -> list[str]:
 def test_the_readme_command_runs_on_this_torch():
     """``python rpc_pipeline_resnet/pipelining.py --world_size 2``, at small sizes: its default
     --splits are each run, or left out with one line where this PyTorch refuses them (torch
-    2.10's GPipe refuses 1 micro-batch on 2 stages)."""
+    2.10's GPipe refuses 1 micro-batch on 2 stages), and no warning is printed (as
+    tests/test_quiet_output.py checks the other scripts)."""
     argv = readme_command("rpc_pipeline_resnet/pipelining.py")
     assert "--splits" not in argv, argv  # the default list is what is checked here
     proc = run_cli(*argv, "--image_size", "32", "--num_batches", "1", "--warmup", "0",
-                   "--num_classes", "10", timeout=180)
+                   "--num_classes", "10", timeout=180, env={"PYTHONWARNINGS": ""})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if re.search("warn", line, re.I)]
+    assert not warnings, "\n".join(warnings)
     refused = {m: schedule_problem("GPipe", 2, m) for m in (1, 2, 4, 8)}
     ran = [int(n) for n in re.findall(r"number of splits = (\d+),", proc.stdout)]
     assert ran == [m for m, problem in refused.items() if problem is None], proc.stdout
