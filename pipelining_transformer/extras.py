@@ -53,9 +53,9 @@ def _send_contiguous_input_grads(stage: PipelineStage) -> None:
 
 
 def _skip_warmup_with_itself(stage: PipelineStage) -> None:
-    """No warm-up send/recv to a stage's own rank: in a multi-stage schedule a stage (manual or traced)
-    greets both neighbours, even one on its rank (ZBV, DualPipeV), and gloo cannot send to itself
-    ("Pair is not connected"); stages on one rank hand over in memory."""
+    """No warm-up send/recv to a stage's own rank: a traced stage (a manual one too in torch 2.10's
+    multi-stage schedules) greets both neighbours, even one on its rank (ZBV, DualPipeV), and gloo
+    cannot send to itself ("Pair is not connected"); stages on one rank hand over in memory."""
     # private API (no public hook filters the warm-up); torch 2.15 has no such warm-up to patch
     if (neighbour_ops := getattr(stage, "_get_init_p2p_neighbors_ops", None)) is None:
         return
