@@ -8,7 +8,7 @@ import argparse
 import torch
 
 import distkit
-from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem
+from distkit.schedules import SCHEDULES, gloo_problem, num_stages_for, schedule_problem
 from pipelining_transformer import checkpoint
 from pipelining_transformer.layout import StageLayout, stage_bounds
 from pipelining_transformer.model import ModelArgs
@@ -103,6 +103,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                          f"{args.n_layers} (halves allowed), each at least 0.5, the last at least 0")
     if problem := schedule_problem(args.schedule, pp_size, args.n_microbatches):
         parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} {on}: {problem}")
+    on_gloo = args.device == "cpu" or (args.device == "auto" and not distkit.gpu_count())
+    if on_gloo and (problem := gloo_problem(args.schedule, pp_size)):
+        parser.error(f"{args.schedule} {on}: {problem}")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint_every must be at least 0, got {args.checkpoint_every}")
     if args.checkpoint_every and not args.checkpoint_dir:

@@ -1,4 +1,4 @@
-"""What is layered on the tutorial's code, one hook per phase: ``on_build`` (build: two gloo workarounds,
+"""What is layered on the tutorial's code, one hook per phase: ``on_build`` (build: a gloo workaround,
 --dp_size); ``Hooks(...)`` (start: the stages logged, --resume, --trace, the flags' step callbacks
 ``LossLog`` and ``Checkpoints``), ``.on_step_end`` (step), ``.on_train_end`` (end: the run's summary).
 """
@@ -31,7 +31,6 @@ def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: Place) 
     """The build phase's extras, on the stages the tutorial's split built."""
     for stage in stages:
         _send_contiguous_input_grads(stage)  # torch's pipelining on gloo; harmless on NCCL
-        _skip_warmup_with_itself(stage)
         if env.dp_size > 1:
             dp.shard_over_dp(stage, env.mesh["dp"])  # before main.build_rank makes the optimizers
     if env.dp_rank:
@@ -50,20 +49,6 @@ def _send_contiguous_input_grads(stage: PipelineStage) -> None:
                 a.register_hook(torch.Tensor.contiguous)
 
     stage.submod.register_forward_pre_hook(hook)
-
-
-def _skip_warmup_with_itself(stage: PipelineStage) -> None:
-    """No warm-up send/recv to a stage's own rank: a traced stage (a manual one too in torch 2.10's
-    multi-stage schedules) greets both neighbours, even one on its rank (ZBV, DualPipeV), and gloo
-    cannot send to itself ("Pair is not connected"); stages on one rank hand over in memory."""
-    # private API (no public hook filters the warm-up); torch 2.15 has no such warm-up to patch
-    if (neighbour_ops := getattr(stage, "_get_init_p2p_neighbors_ops", None)) is None:
-        return
-
-    def without_self() -> list[dist.P2POp]:
-        return [op for op in neighbour_ops() if op.group_peer != stage.group_rank]
-
-    stage._get_init_p2p_neighbors_ops = without_self
 
 
 class Hooks:

@@ -98,8 +98,12 @@ def tracer_model_split(model: Transformer, example_input_microbatch: torch.Tenso
         mb_args=(example_input_microbatch,),
         split_spec={name: SplitPoint.BEGINNING for name in split_points},
     )
-    stages = [pipe.build_stage(i, device, pp_group) for i in stage_indices]
-    return stages
+    if len(stage_indices) == 1:  # the tutorial's one stage per rank
+        return [pipe.build_stage(stage_indices[0], device, pp_group)]
+    # several a rank: build_stage's stage greets its neighbours before the first step, one on its own
+    # rank too (a V's middle), which gloo cannot; a PipelineStage around the same module hands over in memory
+    return [PipelineStage(pipe.get_stage_module(i).to(device), i, pipe.num_stages, device, group=pp_group)
+            for i in stage_indices]
 
 
 def build_schedule(stages: list[PipelineStage], name: str, n_microbatches: int):

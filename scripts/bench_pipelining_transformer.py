@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 import pipelining_transformer.main as example  # noqa: E402
 from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
-from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem  # noqa: E402
+from distkit.schedules import SCHEDULES, gloo_problem, num_stages_for, schedule_problem  # noqa: E402
 from pipelining_transformer.cli import layer_count  # noqa: E402
 from pipelining_transformer.main import PipelineRank  # noqa: E402
 from pipelining_transformer.model import (  # noqa: E402
@@ -407,7 +407,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for label, flags in splits(args):
         for schedule in schedules:
             for m in microbatches:
-                problem = schedule_problem(schedule, args.world_size, m)
+                problem = (schedule_problem(schedule, args.world_size, m)
+                           or gloo_problem(schedule, args.world_size))  # the benchmark runs on the CPU
                 counts = flags[1:] if flags[1:] != ["auto"] else []
                 n_stages = num_stages_for(schedule, args.world_size)
                 if counts and len(counts) != n_stages:

@@ -3,6 +3,7 @@ instruments: the planned (ideal) bubbles (scripts/pipeline_plan.py) and each ran
 compute as ``scripts/stagetrace.py`` records it."""
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from collections import Counter
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import distkit
-from conftest import checked_args
+from conftest import REPO, checked_args
 from distkit.schedules import SCHEDULES, num_stages_for, stage_indices_for
 from pipelining_transformer import main as example
 
@@ -100,6 +101,24 @@ def test_stagetrace_wraps_only_names_this_torch_has():
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, names in stagetrace.PATCHED
                for name in names if not hasattr(owner, name)]
     assert not missing, f"torch {torch.__version__} lacks {missing}: re-check scripts/stagetrace.py"
+
+
+@pytest.mark.fast
+def test_no_private_attribute_is_assigned_outside_stagetrace():
+    """One module to re-check on a new torch (issue 33): ``obj._name = ...`` (not on self or cls) or
+    ``setattr(obj, "_name", ...)`` anywhere else in distkit, the examples or scripts fails here."""
+    found = []
+    for path in sorted(REPO.glob("*/*.py")):
+        if path.parent.name.startswith((".", "tests", "build")) or path.name == "stagetrace.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            named = [t.attr for t in targets if isinstance(t, ast.Attribute)
+                     and not (isinstance(t.value, ast.Name) and t.value.id in {"self", "cls"})]
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+                named += [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)]
+            found += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in named if n.startswith("_")]
+    assert not found, found
 
 
 def test_trace_holds_every_action_the_schedule_ran(tmp_path):

@@ -64,9 +64,11 @@ ACCOUNTED: dict[str, tuple[str, str]] = {
     "pipe = pipeline(module=model, mb_args=(example_input_microbatch,), split_spec={name: "
     "SplitPoint.BEGINNING for name in split_points})":
         (TUTORIAL, "pipe = pipeline(module=model, mb_args=(example_input_microbatch,), split_spec={...})"),
-    "stages = [pipe.build_stage(i, device, pp_group) for i in stage_indices]":
+    "if len(stage_indices) == 1:": (TEXT, TUTORIAL_TEXT[0]),
+    "return [pipe.build_stage(stage_indices[0], device, pp_group)]":
         (TUTORIAL, "stage = pipe.build_stage(stage_index, device, pp_group)"),
-    "return stages": (TUTORIAL, "return stage"),
+    "return [PipelineStage(pipe.get_stage_module(i).to(device), i, pipe.num_stages, device, group=pp_group) "
+    "for i in stage_indices]": (DIFFERENCE, "**Several traced stages on a rank**"),
     # build_schedule
     "if name != 'GPipe':": (TEXT, TUTORIAL_TEXT[0]),
     "stage_arg = stages if is_multi_stage(name) else stages[0]": (TEXT, TUTORIAL_TEXT[0]),
