@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import distkit
-from conftest import run_cli
+from conftest import refused_before_launch
 from ddp_rpc import main as ddp_rpc
 from pipelining_transformer import main as pipelining_transformer
 from pipelining_transformer.main import init_distributed
@@ -185,8 +185,7 @@ def test_machines_that_disagree_stop_with_one_line(example, fn, capfd):
     assert "sees 2 GPU(s) -> nccl (rank 0)" in lines[0] and "sees 0 GPU(s) -> gloo (rank 1)" in lines[0]
 
 
-def test_pipelining_cuda_without_gpu_is_refused_before_spawn():
-    proc = run_cli("pipelining_transformer/main.py", "--device", "cuda", timeout=60)
-    assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and NO_GPU in proc.stderr, proc.stderr
-    assert "[rank" not in proc.stdout  # nothing was spawned
+def test_pipelining_cuda_without_gpu_is_refused_before_spawn(capsys, monkeypatch):
+    from pipelining_transformer.main import main
+
+    assert NO_GPU in refused_before_launch(main, ["--device", "cuda"], capsys, monkeypatch)

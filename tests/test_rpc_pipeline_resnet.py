@@ -225,7 +225,7 @@ def test_bad_input_is_rejected_before_launch(argv, message, capsys, monkeypatch)
     assert message in err, err
 
 
-@pytest.mark.parametrize("argv, message", [BAD_INPUT[0], BAD_INPUT[-4]])
+@pytest.mark.parametrize("argv, message", [BAD_INPUT[0]])  # as a shell sees it; the rest in-process
 def test_bad_input_cli_is_one_line_exit_2(argv, message):
     proc = run_cli("rpc_pipeline_resnet/main.py", *argv, timeout=60)
     assert proc.returncode == 2

@@ -303,10 +303,17 @@ def test_torchrun_launch_solves_easy_threshold():
     (["--gamma", "1.5"], "--gamma must be in (0, 1]"),
     (["--world_size", "three"], "invalid int value"),
 ])
-def test_bad_input_is_one_line_exit_2(argv, message):
-    proc = run_cli("rpc_rl/main.py", *argv, timeout=60)
+def test_bad_input_is_one_line_exit_2(argv, message, capsys, monkeypatch):
+    from rpc_rl.main import main
+
+    assert message in refused_before_launch(main, argv, capsys, monkeypatch)
+
+
+def test_bad_input_from_the_command_line_is_one_line_exit_2():
+    """As a shell sees it (the other cases in-process: a Python start-up each)."""
+    proc = run_cli("rpc_rl/main.py", "--world_size", "1", timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "--world_size must be at least 2" in proc.stderr, proc.stderr
     assert "[rank" not in proc.stdout  # nothing was spawned
 
 

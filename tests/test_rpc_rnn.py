@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.optim as optim
 
 import distkit
-from conftest import FLOAT32, checked_args, run_cli, run_torchrun, state_copy
+from conftest import FLOAT32, checked_args, refused_before_launch, run_cli, run_torchrun, state_copy
 from rpc_rnn.main import get_next_batch, make_stream
 from rpc_rnn.rnn import Decoder, EmbeddingTable
 
@@ -155,8 +155,15 @@ def test_torchrun_launch():
     (["--dropout", "1"], "--dropout must be in [0, 1)"),
     (["--seq_len", "five"], "invalid int value"),
 ])
-def test_bad_input_is_one_line_exit_2(argv, message):
-    proc = run_cli("rpc_rnn/main.py", *argv, timeout=60)
+def test_bad_input_is_one_line_exit_2(argv, message, capsys, monkeypatch):
+    from rpc_rnn.main import main
+
+    assert message in refused_before_launch(main, argv, capsys, monkeypatch)
+
+
+def test_bad_input_from_the_command_line_is_one_line_exit_2():
+    """As a shell sees it (the other cases in-process: a Python start-up each)."""
+    proc = run_cli("rpc_rnn/main.py", "--world_size", "3", timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "--world_size must be at most 2" in proc.stderr, proc.stderr
     assert "[rank" not in proc.stdout  # nothing was spawned
