@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 from torch.distributed.elastic.timer import FileTimerServer
 
-from .rendezvous import STORE_TIMEOUT, host_store, under_torchrun
+from .rendezvous import STORE_TIMEOUT, agent_hosts_store, connect, host_store, under_torchrun
 from .watchdog import TIMER_FILE, TIMER_MARGIN
 from .worker import Worker, die_with_parent, exit_now, run_rank
 
@@ -110,6 +110,8 @@ class Job:
     def __enter__(self) -> Job:
         if self.torchrun:
             die_with_parent()  # torchrun's workers have sessions of their own: a SIGKILLed torchrun leaves them
+            if not agent_hosts_store() and os.environ["RANK"] == "0":
+                connect(STORE_TIMEOUT)  # hosted before any rank's env:// rendezvous waits on it (srun)
             return self
         self.store = None
         if 0 in self.ranks:

@@ -17,6 +17,33 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def adopt_srun_task(master_addr: str | None, master_port: int | None) -> int | None:
+    """Under ``srun -n N python X/main.py`` (N > 1, no torchrun): this task becomes rank SLURM_PROCID of
+    the step's N, in torchrun's variables, rank 0 hosting the store on the step's first host (without
+    this, each task ran a whole job of its own). The port: --master_port, else one from the job's id, as
+    Lightning picks it. Returns N, or None outside such a step (an sbatch script's own shell included)."""
+    env = os.environ
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))  # srun's step; not SLURM_NTASKS, which sbatch's shell has
+    if under_torchrun() or tasks < 2:
+        return None
+    per_node = [int(n) for count in env["SLURM_STEP_TASKS_PER_NODE"].split(",")  # "2(x3),1"
+                for n, _, times in [count.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
+    # TORCHELASTIC_USE_AGENT_STORE: torch's env:// (RPC's rendezvous) joins the store rank 0 hosts here
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(tasks), LOCAL_RANK=env["SLURM_LOCALID"],
+               TORCHELASTIC_USE_AGENT_STORE="True", DISTKIT_SRUN="1",
+               LOCAL_WORLD_SIZE=str(per_node[int(env["SLURM_NODEID"])]),
+               MASTER_ADDR=master_addr or first_host(env["SLURM_STEP_NODELIST"]),
+               MASTER_PORT=str(master_port or 10000 + int(env["SLURM_JOB_ID"]) % 10000))
+    return tasks
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of SLURM's compressed list: "gpu[07-09,12],cpu1" -> "gpu07"."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist.split("]")[0]
+    prefix, _, ranges = head.partition("[")
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
 def host_store(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
     """A store server listening on ``addr`` only (c10d's own listens on every interface)."""
     listener = socket.create_server((addr, port))  # the store owns it then, and closes it
@@ -27,7 +54,8 @@ def host_store(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
 def agent_hosts_store() -> bool:
     """distkit's launcher or torchrun's agent hosts the store; rank 0 does, each round, with torchrun's
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/multi_host.md)."""
-    return not under_torchrun() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return not under_torchrun() or (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                                    and "DISTKIT_SRUN" not in os.environ)  # srun: rank 0, as its agent
 
 
 _hosted: dist.TCPStore | None = None  # the store this process hosts, if it is that rank 0

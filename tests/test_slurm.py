@@ -1,0 +1,158 @@
+"""Under SLURM (issue 34): ``srun -n N python X/main.py`` is one job of N ranks, each task one rank
+(``distkit.rendezvous.adopt_srun_task``), not N whole jobs. On a real SLURM: a one-node cluster
+(munged, slurmctld, slurmd) this session starts in a directory of its own, where SLURM is installed
+(``.ci/run`` installs it as root: ``apt-get install slurm-wlm munge``); elsewhere those tests skip
+with the reason. The environment's reading is also checked in-process, with SLURM's variables.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PRINTED_4, REPO, checked_args, refused_before_launch, run_cli
+
+# what srun gives task 2 of 3, the only task on the second of two nodes
+SRUN_TASK_2 = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+               "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "gpu[07-08]",
+               "SLURM_JOB_ID": "123456", "SLURM_NTASKS": "3"}
+
+
+@pytest.fixture
+def srun_env(monkeypatch):
+    """``os.environ`` as a copy without torchrun's variables (restored after the test), SLURM's set."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    monkeypatch.setattr(os, "environ", env)
+    return env
+
+
+def test_an_srun_task_is_one_rank_of_the_step(srun_env):
+    srun_env.update(SRUN_TASK_2)
+    args = checked_args("rpc_rl.main")
+    assert args.world_size == 3
+    assert {k: srun_env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                     "MASTER_PORT")} == {
+        "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": str(10000 + 123456 % 10000)}
+
+
+def test_the_rendezvous_flags_win_over_slurms_environment(srun_env):
+    srun_env.update(SRUN_TASK_2, SLURM_PROCID="0", SLURM_NODEID="0")
+    checked_args("rpc_rl.main", "--master_addr", "10.0.0.7", "--master_port", "29999")
+    assert (srun_env["RANK"], srun_env["LOCAL_WORLD_SIZE"], srun_env["MASTER_ADDR"], srun_env["MASTER_PORT"]) == (
+        "0", "2", "10.0.0.7", "29999")
+
+
+def test_an_sbatch_scripts_own_shell_is_not_a_rank(srun_env):
+    """The batch script's shell has SLURM_NTASKS and SLURM_PROCID too, but no step: a plain
+    ``python X/main.py`` there spawns its ranks itself."""
+    srun_env.update({k: v for k, v in SRUN_TASK_2.items() if not k.startswith("SLURM_STEP")})
+    args = checked_args("rpc_rl.main", "--world_size", "3")
+    assert args.world_size == 3 and "RANK" not in srun_env
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world_size", "4"], "--world_size 4 disagrees with srun's 3 tasks"),
+    (["--ranks", "1"], "--ranks 1: under srun each task is one rank (SLURM_PROCID)"),
+])
+def test_flags_that_disagree_with_srun_are_refused(argv, message, srun_env, capsys, monkeypatch):
+    from rpc_rl.main import main
+
+    srun_env.update(SRUN_TASK_2)
+    assert message in refused_before_launch(main, argv, capsys, monkeypatch)
+
+
+# ---------------------------------------------------------------- a real SLURM, one node
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """``SLURM_CONF`` of a one-node cluster this module starts and stops; skips without SLURM or root."""
+    missing = [d for d in ("munged", "slurmctld", "slurmd", "srun") if not shutil.which(d)
+               and not Path("/usr/sbin", d).exists()]
+    if missing or os.geteuid() != 0:
+        pytest.skip(f"needs SLURM and root ({'missing ' + ', '.join(missing) if missing else 'not root'}): "
+                    f"as root, apt-get install slurm-wlm munge (.ci/run does)")
+    d = tmp_path_factory.mktemp("slurm")
+    node = socket.gethostname().split(".")[0]
+    conf = d / "slurm.conf"
+    conf.write_text(f"""ClusterName=distkit-test
+SlurmctldHost={node}
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+StateSaveLocation={d}
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SlurmdParameters=config_overrides
+NodeName={node} CPUs=8 RealMemory=4000 State=UNKNOWN
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+""")  # CPUs=8 on any machine (config_overrides): four 2-rank tasks fit a 2-core one
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:
+        Path("/run/munge").mkdir(exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged"], check=True)
+    daemons = [subprocess.Popen([f"/usr/sbin/{d}", "-D", "-f", str(conf)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for d in ("slurmctld", "slurmd")]
+    try:
+        deadline = time.monotonic() + 60
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
+                                           text=True).stdout:
+            if time.monotonic() > deadline:
+                pytest.fail(f"the test cluster did not come up:\n{(d / 'slurmctld.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield env
+    finally:
+        for p in daemons:
+            p.terminate()
+        for p in daemons:
+            p.wait(timeout=30)
+
+
+def _srun(slurm: dict, ntasks: int, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["srun", "-n", str(ntasks), "--kill-on-bad-exit=1", sys.executable, *argv],
+                          cwd=REPO, env={**slurm, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_srun_runs_one_job_of_its_tasks(slurm):
+    """The issue's case: three tasks of rpc_rl, one job (one agent, one "Solved!"), not three."""
+    proc = _srun(slurm, 3, "rpc_rl/main.py", "--reward_threshold", "0.5", "--max_episodes", "5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("Solved!") == 1, proc.stdout
+
+
+def test_srun_trains_what_one_machine_trains(slurm):
+    """rpc_rnn's two tasks under srun print the losses ``python rpc_rnn/main.py`` prints."""
+    argv = ("rpc_rnn/main.py", "--epochs", "3")
+    losses = [re.findall(r"Training epoch \d+\tloss ([0-9.]+)", p.stdout)
+              for p in (_srun(slurm, 2, *argv), run_cli(*argv))]
+    assert len(losses[0]) == len(losses[1]) == 3, losses
+    assert [float(x) for x in losses[0]] == pytest.approx([float(x) for x in losses[1]], abs=PRINTED_4)
