@@ -114,13 +114,16 @@ NodeName={node} CPUs=8 RealMemory=4000 State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 """)  # CPUs=8 on any machine (config_overrides): four 2-rank tasks fit a 2-core one
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:
+    daemons = []
+    if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:  # none running
         Path("/run/munge").mkdir(exist_ok=True)
         shutil.chown("/run/munge", "munge", "munge")
-        subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged"], check=True)
-    daemons = [subprocess.Popen([f"/usr/sbin/{d}", "-D", "-f", str(conf)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for d in ("slurmctld", "slurmd")]
+        daemons.append(subprocess.Popen(["su", "-s", "/bin/sh", "munge", "-c", "exec /usr/sbin/munged -F"]))
+        while subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:
+            time.sleep(0.2)
+    daemons += [subprocess.Popen([f"/usr/sbin/{d}", "-D", "-f", str(conf)], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for d in ("slurmctld", "slurmd")]
     try:
         deadline = time.monotonic() + 60
         while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
