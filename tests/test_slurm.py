@@ -6,6 +6,7 @@ with the reason. The environment's reading is also checked in-process, with SLUR
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -152,10 +153,37 @@ def test_srun_runs_one_job_of_its_tasks(slurm):
     assert proc.stdout.count("Solved!") == 1, proc.stdout
 
 
-def test_srun_trains_what_one_machine_trains(slurm):
-    """rpc_rnn's two tasks under srun print the losses ``python rpc_rnn/main.py`` prints."""
-    argv = ("rpc_rnn/main.py", "--epochs", "3")
-    losses = [re.findall(r"Training epoch \d+\tloss ([0-9.]+)", p.stdout)
-              for p in (_srun(slurm, 2, *argv), run_cli(*argv))]
-    assert len(losses[0]) == len(losses[1]) == 3, losses
-    assert [float(x) for x in losses[0]] == pytest.approx([float(x) for x in losses[1]], abs=PRINTED_4)
+RNN_LOSS, PIPELINE_LOSS = r"Training epoch \d+\tloss ([0-9.]+)", r"step \d+/\d+  loss ([0-9.]+)"
+RNN, PIPELINE = ("rpc_rnn/main.py", "--epochs", "3"), ("pipelining_transformer/main.py", "--steps", "3")
+# how SLURM starts it, the example's command line, the one-machine run's flags beside it, its losses
+AS_ON_ONE_MACHINE = [
+    (["srun", "-n", "2"], RNN, (), RNN_LOSS),
+    (["sbatch", "-n", "2"], RNN, (), RNN_LOSS),  # scripts/slurm/train.sbatch: srun, a task per rank
+    (["sbatch", "--ntasks-per-node", "2"], PIPELINE, ("--world_size", "2"), PIPELINE_LOSS),  # torchrun
+]
+
+
+@functools.cache
+def _one_machine(argv: tuple[str, ...]) -> str:
+    proc = run_cli(*argv, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("how, argv, here, pattern", AS_ON_ONE_MACHINE,
+                         ids=[f"{how[0]} {argv[0].split('/')[0]}" for how, argv, _, _ in AS_ON_ONE_MACHINE])
+def test_slurm_trains_what_one_machine_trains(how, argv, here, pattern, slurm, tmp_path):
+    """Under srun, and through scripts/slurm/train.sbatch, the losses the one-machine run prints."""
+    if how[0] == "srun":
+        proc = _srun(slurm, int(how[2]), *argv)
+        out = proc.stdout
+    else:
+        log = tmp_path / "job.out"
+        proc = subprocess.run(["sbatch", "--wait", "-N", "1", *how[1:], "-o", str(log),
+                               "scripts/slurm/train.sbatch", *argv], cwd=REPO, capture_output=True, text=True,
+                              env={**slurm, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}, timeout=240)
+        out = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, proc.stdout + proc.stderr + out
+    losses = [[float(x) for x in re.findall(pattern, text)] for text in (out, _one_machine((*argv, *here)))]
+    assert len(losses[0]) == len(losses[1]) == 3, (losses, out)
+    assert losses[0] == pytest.approx(losses[1], abs=PRINTED_4)
