@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import resource
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -146,14 +147,23 @@ class LossLog(StepCallback):
 
 
 class Checkpoints(StepCallback):
-    """--checkpoint_dir: save every --checkpoint_every steps and after the last (a collective)."""
+    """--checkpoint_dir: save every --checkpoint_every steps, after the last, and after the step in which a
+    SIGTERM came (a collective): SLURM's preemption, requeue and time limit send one before SIGKILL."""
 
     def __init__(self, args: argparse.Namespace, pp) -> None:
         self.args, self.parts, self.layout = args, parts_of(pp), layout_from(args, pp.layout, pp.device)
+        self.device, self.terminated = pp.device, False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self.terminated = True  # the step goes on: a rank stopped inside it would stall the others
 
     def on_step_end(self, step: int, loss: float | None) -> None:
         done, every = step + 1, self.args.checkpoint_every
-        if done == self.args.steps or every and done % every == 0:
+        # the ranks may get the signal in different steps: all stop after the first one that saw it
+        stop = torch.tensor([float(self.terminated)], device=self.device)
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item() or done == self.args.steps or every and done % every == 0:
             try:
                 path = checkpoint.save(self.args.checkpoint_dir, done, self.parts,
                                        data_settings_from(self.args), self.layout)
@@ -164,6 +174,9 @@ class Checkpoints(StepCallback):
                                    f"{done} ({checkpoint.why(e)}); the newest complete checkpoint "
                                    f"is {previous or 'none'} (--resume goes on from it)") from e
             log.info(f"checkpoint {path} complete")
+        if stop.item():
+            log.info(f"stopped by SIGTERM after step {done}; --resume goes on from {path}")
+            distkit.exit_now(128 + signal.SIGTERM)  # as SIGTERM's default would have, saved first
 
 
 def callbacks_for(args: argparse.Namespace, pp) -> list[StepCallback]:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PRINTED_4, REPO, checked_args, refused_before_launch, run_cli
+from conftest import (PRINTED_4, REPO, assert_equals_uninterrupted, checked_args, logged_losses,
+                      refused_before_launch, resumed_steps, run_cli)
 
 # what srun gives task 2 of 3, the only task on the second of two nodes
 SRUN_TASK_2 = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
@@ -187,3 +188,50 @@ def test_slurm_trains_what_one_machine_trains(how, argv, here, pattern, slurm, t
     losses = [[float(x) for x in re.findall(pattern, text)] for text in (out, _one_machine((*argv, *here)))]
     assert len(losses[0]) == len(losses[1]) == 3, (losses, out)
     assert losses[0] == pytest.approx(losses[1], abs=PRINTED_4)
+
+
+# ------------------------------------------------- a requeued job resumes where SIGTERM stopped it
+
+PREEMPTED = ("--dim", "64", "--n_heads", "2", "--n_layers", "2", "--vocab_size", "64", "--seq_len", "16",
+             "--dropout", "0", "--seed", "4", "--threads", "1", "--steps", "60")
+
+
+def _squeue_state(slurm: dict, job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=slurm, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_a_requeued_job_resumes_exactly_where_sigterm_stopped_it(slurm, tmp_path):
+    """``scontrol requeue`` (as preemption does) sends SIGTERM: every rank finishes its step, saves
+    it and exits; the requeued job's ``--resume`` goes on from there, and every logged loss is the
+    uninterrupted run's."""
+    reference = tmp_path / "uninterrupted.jsonl"
+    proc = run_cli("pipelining_transformer/main.py", *PREEMPTED, "--world_size", "2", "--loss_log",
+                   str(reference), timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log, out = tmp_path / "losses.jsonl", tmp_path / "job.out"
+    job = subprocess.run(
+        ["sbatch", "--parsable", "--requeue", "--open-mode=append", "-N", "1", "--ntasks-per-node", "2",
+         "-o", str(out), "scripts/slurm/train.sbatch", "pipelining_transformer/main.py", *PREEMPTED,
+         "--checkpoint_dir", str(tmp_path / "ckpt"), "--resume", "--loss_log", str(log)],
+        cwd=REPO, env={**slurm, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}, capture_output=True,
+        text=True, check=True).stdout.strip()
+    try:
+        deadline = time.monotonic() + 200
+        while not (log.exists() and len(log.read_text().splitlines()) >= 5):
+            assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
+            time.sleep(0.1)
+        subprocess.run(["scontrol", "requeue", job], env=slurm, check=True)
+        while (state := _squeue_state(slurm, job)) not in ("", "COMPLETED", "FAILED"):
+            assert time.monotonic() < deadline, f"{state}:\n{out.read_text()}"
+            if state == "PENDING":  # a requeued job waits its BeginTime (2 minutes): now
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], env=slurm)
+    text = out.read_text()
+    assert _squeue_state(slurm, job) in ("", "COMPLETED"), text
+    stopped = [int(s) for s in re.findall(r"stopped by SIGTERM after step (\d+)", text)]
+    assert len(stopped) == 2 and len(set(stopped)) == 1, text  # both ranks, after the same step
+    assert resumed_steps(text) == [stopped[0]] * 2, text
+    assert_equals_uninterrupted(log, dict(logged_losses(reference)), stopped[0])
