@@ -7,9 +7,11 @@ with the reason. The environment's reading is also checked in-process, with SLUR
 from __future__ import annotations
 
 import functools
+import getpass
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -18,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (PRINTED_4, REPO, assert_equals_uninterrupted, checked_args, logged_losses,
-                      refused_before_launch, resumed_steps, run_cli)
+from conftest import (PRINTED_4, REPO, alive, assert_all_gone, assert_equals_uninterrupted, checked_args,
+                      logged_losses, refused_before_launch, resumed_steps, run_cli)
 
 # what srun gives task 2 of 3, the only task on the second of two nodes
 SRUN_TASK_2 = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
@@ -135,10 +137,14 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
             time.sleep(0.5)
         yield env
     finally:
+        subprocess.run(["scancel", "--user", getpass.getuser()], env=env)
         for p in daemons:
             p.terminate()
         for p in daemons:
-            p.wait(timeout=30)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def _srun(slurm: dict, ntasks: int, *argv: str) -> subprocess.CompletedProcess:
@@ -235,3 +241,55 @@ def test_a_requeued_job_resumes_exactly_where_sigterm_stopped_it(slurm, tmp_path
     assert len(stopped) == 2 and len(set(stopped)) == 1, text  # both ranks, after the same step
     assert resumed_steps(text) == [stopped[0]] * 2, text
     assert_equals_uninterrupted(log, dict(logged_losses(reference)), stopped[0])
+
+
+# ------------------------------------------------------------- a task lost, a job cancelled, a hang
+
+def _tasks(mark: str) -> dict[int, int]:
+    """{rank: pid} of the running processes whose environment holds ``mark`` (the test's own)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except (OSError, ValueError):
+            continue
+        if env.get(b"DISTKIT_TEST_MARK") == mark.encode() and b"SLURM_PROCID" in env and alive(int(proc.name)):
+            found[int(env[b"SLURM_PROCID"])] = int(proc.name)  # /proc shows the environment at exec
+    return found
+
+
+@pytest.mark.parametrize("event", ["rank 1 killed", "rank 1 stopped", "scancel"])
+def test_a_lost_or_frozen_task_or_scancel_ends_the_whole_step(event, slurm, tmp_path):
+    """rpc_rnn under ``srun -n 2 --kill-on-bad-exit=1`` (as scripts/slurm/train.sbatch starts it):
+    rank 1 SIGKILLed (srun reports it and ends rank 0), or SIGSTOPped (rank 0's watchdog names it
+    within --hang_timeout, and srun ends the frozen task), or the job cancelled. Then nothing of the
+    job is left running."""
+    mark, out = tmp_path.name, tmp_path / "out.txt"
+    with out.open("w") as f:
+        srun = subprocess.Popen(
+            ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "rpc_rnn/main.py", "--epochs", "100000",
+             "--hang_timeout", "5"], cwd=REPO, env={**slurm, "PYTHONUNBUFFERED": "1", "DISTKIT_TEST_MARK": mark},
+            stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "Training epoch 2\t" not in out.read_text() or len(tasks := _tasks(mark)) < 2:
+            assert time.monotonic() < deadline and srun.poll() is None, out.read_text()
+            time.sleep(0.2)
+        if event == "scancel":
+            job = Path(f"/proc/{tasks[0]}/environ").read_bytes().split(b"SLURM_JOB_ID=")[1].split(b"\0")[0]
+            subprocess.run(["scancel", job.decode()], env=slurm, check=True)
+        else:
+            os.kill(tasks[1], signal.SIGKILL if event == "rank 1 killed" else signal.SIGSTOP)
+        start = time.monotonic()
+        srun.wait(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        srun.kill()
+    text = out.read_text()
+    assert srun.returncode != 0, text
+    assert took < 5 + 20, text  # --hang_timeout, and then some on a loaded machine
+    if event == "rank 1 killed":  # srun names the task and ends the others at once
+        assert "task 1: Killed" in text, text
+    elif event == "rank 1 stopped":  # only rank 0's watchdog can see it; srun then ends rank 1
+        assert re.search(r"rank 1 (did not answer|stopped answering)", text), text
+    assert_all_gone(list(tasks.values()), within=10)
