@@ -91,7 +91,7 @@ def slurm(tmp_path_factory):
         pytest.skip(f"needs SLURM and root ({'missing ' + ', '.join(missing) if missing else 'not root'}): "
                     f"as root, apt-get install slurm-wlm munge (.ci/run does)")
     d = tmp_path_factory.mktemp("slurm")
-    node = socket.gethostname().split(".")[0]
+    node = "localhost"  # slurmd -N: no lookup of this machine's name, which a container may not resolve
     conf = d / "slurm.conf"
     conf.write_text(f"""ClusterName=distkit-test
 SlurmctldHost={node}
@@ -114,7 +114,7 @@ ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SlurmdParameters=config_overrides
-NodeName={node} CPUs=8 RealMemory=4000 State=UNKNOWN
+NodeName={node} NodeAddr=127.0.0.1 CPUs=8 RealMemory=4000 State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 """)  # CPUs=8 on any machine (config_overrides): four 2-rank tasks fit a 2-core one
     env = {**os.environ, "SLURM_CONF": str(conf)}
@@ -125,9 +125,9 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
         daemons.append(subprocess.Popen(["su", "-s", "/bin/sh", "munge", "-c", "exec /usr/sbin/munged -F"]))
         while subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:
             time.sleep(0.2)
-    daemons += [subprocess.Popen([f"/usr/sbin/{d}", "-D", "-f", str(conf)], env=env,
+    daemons += [subprocess.Popen([f"/usr/sbin/{d}", "-D", "-f", str(conf), *extra], env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for d in ("slurmctld", "slurmd")]
+                for d, extra in (("slurmctld", []), ("slurmd", ["-N", node]))]
     try:
         deadline = time.monotonic() + 60
         while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
