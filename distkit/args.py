@@ -67,15 +67,14 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc
 def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                       min_world_size: int = 1, max_world_size: int | None = None) -> None:
     """Reject bad launch flags with a one-line error before any process starts."""
-    if srun_tasks := adopt_srun_task(args.master_addr, args.master_port):
-        launcher = f"srun's {srun_tasks} tasks"
-        if args.ranks is not None:
-            parser.error(f"--ranks {args.ranks}: under srun each task is one rank (SLURM_PROCID)")
+    srun = adopt_srun_task(args.master_addr, args.master_port) is not None
+    if srun and args.ranks is not None:
+        parser.error(f"--ranks {args.ranks}: under srun each task is one rank (SLURM_PROCID)")
     if under_torchrun():
         env_size = int(os.environ["WORLD_SIZE"])
         if args.world_size not in (None, env_size):
-            launcher = launcher if srun_tasks else f"torchrun's WORLD_SIZE={env_size}"
-            parser.error(f"--world_size {args.world_size} disagrees with {launcher}")
+            by = f"srun's {env_size} tasks" if srun else f"torchrun's WORLD_SIZE={env_size}"
+            parser.error(f"--world_size {args.world_size} disagrees with {by}")
         args.world_size = env_size
     if args.world_size is None:
         args.world_size = getattr(args, "default_world_size", None)

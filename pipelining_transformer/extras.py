@@ -161,9 +161,10 @@ class Checkpoints(StepCallback):
     def on_step_end(self, step: int, loss: float | None) -> None:
         done, every = step + 1, self.args.checkpoint_every
         # the ranks may get the signal in different steps: all stop after the first one that saw it
-        stop = torch.tensor([float(self.terminated)], device=self.device)
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        if stop.item() or done == self.args.steps or every and done % every == 0:
+        flag = torch.tensor([float(self.terminated)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        stop = bool(flag.item())
+        if stop or done == self.args.steps or every and done % every == 0:
             try:
                 path = checkpoint.save(self.args.checkpoint_dir, done, self.parts,
                                        data_settings_from(self.args), self.layout)
@@ -174,7 +175,7 @@ class Checkpoints(StepCallback):
                                    f"{done} ({checkpoint.why(e)}); the newest complete checkpoint "
                                    f"is {previous or 'none'} (--resume goes on from it)") from e
             log.info(f"checkpoint {path} complete")
-        if stop.item():
+        if stop:
             log.info(f"stopped by SIGTERM after step {done}; --resume goes on from {path}")
             distkit.exit_now(128 + signal.SIGTERM)  # as SIGTERM's default would have, saved first
 
