@@ -20,8 +20,8 @@ def under_torchrun() -> bool:
 def adopt_srun_task(master_addr: str | None, master_port: int | None) -> int | None:
     """Under ``srun -n N python X/main.py`` (N > 1, no torchrun): this task becomes rank SLURM_PROCID of
     the step's N, in torchrun's variables, rank 0 hosting the store on the step's first host (without
-    this, each task ran a whole job of its own). The port: --master_port, else one from the job's id, as
-    Lightning picks it. Returns N, or None outside such a step (an sbatch script's own shell included)."""
+    this, each task ran a whole job of its own). The port: --master_port, else from the job id's last four
+    digits, as Lightning. Returns N, or None outside such a step (an sbatch script's own shell included)."""
     env = os.environ
     tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))  # srun's step; not SLURM_NTASKS, which sbatch's shell has
     if under_torchrun() or tasks < 2:
