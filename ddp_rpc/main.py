@@ -25,6 +25,13 @@ log = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     parser = distkit.ArgumentParser(description="DDP + RPC: embedding on a parameter server, "
                                                 "DDP-replicated linear layer on the trainers")
+    add_train_args(parser)
+    distkit.add_launch_args(parser, world_size=4, rpc_timeout=60, hang_timeout=60)
+    return parser
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """The training flags, shared with sharded.py."""
     parser.add_argument("--epochs", type=int, default=10, metavar="E",
                         help="passes over each trainer's batches")
     parser.add_argument("--batches_per_epoch", type=int, default=10, metavar="B",
@@ -33,19 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, metavar="S",
                         help="seeds the weights and every trainer's batches")
-    distkit.add_launch_args(parser, world_size=4, rpc_timeout=60, hang_timeout=60)
-    return parser
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=3)
+    check_train_args(parser, args)
+    distkit.check_placements(parser, args, placement)
+
+
+def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag in ("epochs", "batches_per_epoch", "batch_size"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     distkit.require_positive(parser, "--lr", args.lr)
     if args.seed < 0:
         parser.error(f"--seed must be non-negative, got {args.seed}")
-    distkit.check_placements(parser, args, placement)
 
 
 def num_trainers(world_size: int) -> int:

@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = distkit.ArgumentParser(description="RPC distributed RNN example")
+    add_train_args(parser)
+    distkit.add_launch_args(parser, world_size=2, rpc_timeout=60, hang_timeout=60)
+    return parser
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """The model's, the data's and the training's flags, shared with sharded.py."""
     parser.add_argument("--epochs", type=int, default=10, help="passes over the data")
     parser.add_argument("--batches", type=int, default=40,
                         help="batches per epoch (consecutive chunks of one token stream)")
@@ -44,12 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=2.0,
                         help="SGD learning rate (the tutorial's 0.05 barely moves this model)")
     parser.add_argument("--seed", type=int, default=1, help="seeds the data and the weights")
-    distkit.add_launch_args(parser, world_size=2, rpc_timeout=60, hang_timeout=60)
-    return parser
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=2, max_world_size=2)
+    check_train_args(parser, args)
+    distkit.check_placements(parser, args, placement)
+
+
+def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("epochs", "batches", "seq_len", "batch_size", "ninp", "nhid", "nlayers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -59,7 +69,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     distkit.require_positive(parser, "--lr", args.lr)
-    distkit.check_placements(parser, args, placement)
 
 
 def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:

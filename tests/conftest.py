@@ -77,6 +77,23 @@ def refused_before_launch(main, argv: list[str], capsys, monkeypatch) -> str:
     return err
 
 
+@pytest.fixture
+def kept_jobs(monkeypatch) -> list:
+    """Every ``distkit.Job`` an example's ``main()`` enters in this test, kept for its ``results``:
+    the user's command in this process, and the numbers underneath what it printed."""
+    import distkit  # not at import: no torch before pytest_configure
+
+    jobs = []
+
+    class KeptJob(distkit.Job):
+        def __enter__(self):
+            jobs.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(distkit, "Job", KeptJob)
+    return jobs
+
+
 # The examples as the fault and hang tests start them (tests/test_faults.py, test_hangs.py),
 # and a job: a CLI run in its own process group, its processes found through /proc.
 TINY_GPT = ("--dim", "32", "--n_layers", "2", "--n_heads", "2", "--vocab_size", "64")

@@ -19,9 +19,9 @@ from torch.distributed.optim import DistributedOptimizer
 import distkit
 from conftest import FLOAT32, PRINTED_4, checked_args, refused_before_launch, run_cli, run_torchrun
 from ddp_rpc.main import main, run_worker
-from ddp_rpc import trainer
+from ddp_rpc import sharded, trainer
 from ddp_rpc.report import _embedding_weight
-from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch
+from ddp_rpc.trainer import EMBEDDING_DIM, MAX_BAG_SIZE, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch
 
 MASTER = 2  # ranks 0 and 1 train, 2 is the master, 3 the parameter server
 NUMBER = r"[-+]?\d+\.\d+"
@@ -75,22 +75,19 @@ def _printed(pattern: str, output: str) -> list[float]:
     return [float(x) for m in re.finditer(pattern, output) for x in m.groups()]
 
 
+ONE_ITERATION = ["--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "6", "--seed", "3", "--lr", "0.5"]
+
+
 @pytest.mark.fast  # also on the oldest supported torch (.ci/run)
-def test_one_iteration_matches_single_process_maths(monkeypatch, capfd):
+def test_one_iteration_matches_single_process_maths(kept_jobs, capfd):
+    """The RPC version's first iteration, and sharded.py's from the same --seed on as many ranks as
+    trainers: the same initial weights, losses and updates (the first lookups of both trainers come
+    before either step, as DDP's allreduce sits between them)."""
     # the user's command (python ddp_rpc/main.py ARGS), in this process: main's own launch,
     # kept aside for the numbers underneath, and what the run printed
-    jobs = []
-
-    class KeptJob(distkit.Job):
-        def __enter__(self):
-            jobs.append(self)
-            return super().__enter__()
-
-    monkeypatch.setattr(distkit, "Job", KeptJob)
-    assert main(["--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "6",
-                 "--seed", "3", "--lr", "0.5"]) == 0
+    assert main(ONE_ITERATION) == 0
     printed = capfd.readouterr().out
-    out = jobs[0].results[MASTER]
+    out = kept_jobs[0].results[MASTER]
     config, reports = out["config"], out["trainers"]
     assert [r.rank for r in reports] == [0, 1] and config.lr == 0.5
     # DDP broadcast rank 0's fc at construction (each trainer seeded its own differently)
@@ -115,6 +112,63 @@ def test_one_iteration_matches_single_process_maths(monkeypatch, capfd):
             torch.testing.assert_close(r.fc_after[name], p, msg=lambda m: f"trainer{r.rank} fc.{name}: {m}")
     torch.testing.assert_close(out["emb_after"], emb_after)
     assert "fc identical on all trainers: True" in printed
+
+    assert sharded.main([*ONE_ITERATION, "--world_size", "2"]) == 0
+    today = kept_jobs[1].results[0]
+    torch.testing.assert_close(today["emb_before"], out["emb_before"], rtol=0, atol=0)  # the same draws
+    torch.testing.assert_close(today["emb_after"], out["emb_after"], **FLOAT32)
+    for r, t in zip(reports, today["trainers"]):
+        torch.testing.assert_close(t.losses, r.losses, **FLOAT32)
+        for name, p in r.fc_after.items():
+            torch.testing.assert_close(t.fc_before[name], r.fc_before[name], rtol=0, atol=0)
+            torch.testing.assert_close(t.fc_after[name], p, **FLOAT32)
+
+
+def _reference_run(emb_before, fc_before, config, ranks):
+    """One process over a whole run of sharded.py: at every step each rank's batch and loss; the
+    table steps with the sum of their gradients (one SGD step per trainer), fc with their mean (DDP)."""
+    emb = torch.nn.EmbeddingBag(NUM_EMBEDDINGS, EMBEDDING_DIM, mode="sum")
+    with torch.no_grad():
+        emb.weight.copy_(emb_before)
+    fc = torch.nn.Linear(EMBEDDING_DIM, NUM_CLASSES)
+    fc.load_state_dict(fc_before)
+    opt = torch.optim.SGD([*emb.parameters(), *fc.parameters()], lr=config.lr)
+    losses = [[[] for _ in range(config.epochs)] for _ in range(ranks)]
+    for epoch in range(config.epochs):
+        for batches in zip(*[get_next_batch(r, config) for r in range(ranks)]):
+            opt.zero_grad()
+            step = [F.cross_entropy(fc(emb(indices, offsets)), target) for indices, offsets, target in batches]
+            torch.stack(step).sum().backward()
+            for p in fc.parameters():
+                p.grad /= ranks
+            opt.step()
+            for r, loss in enumerate(step):
+                losses[r][epoch].append(loss.item())
+    return losses, emb.weight.detach(), fc.state_dict()
+
+
+def test_sharded_trains_what_one_process_trains(kept_jobs):
+    """sharded.py on 3 ranks (100 rows: 34, 33, 33), several epochs: every rank's loss at every step,
+    the whole table and fc at the end, as one process computes them."""
+    assert sharded.main(["--world_size", "3", "--epochs", "3", "--batches_per_epoch", "2", "--batch_size", "5",
+                         "--seed", "2", "--lr", "0.5"]) == 0
+    out = kept_jobs[0].results[0]
+    reports = out["trainers"]
+    losses, emb_after, fc_after = _reference_run(out["emb_before"], reports[0].fc_before, out["config"], 3)
+    assert not torch.equal(out["emb_after"], out["emb_before"])
+    torch.testing.assert_close(out["emb_after"], emb_after, **FLOAT32)
+    for r, report in enumerate(reports):
+        torch.testing.assert_close(report.losses, losses[r], **FLOAT32)
+        for name, p in fc_after.items():
+            torch.testing.assert_close(report.fc_after[name], p, **FLOAT32)
+    assert sum(losses[0][-1]) < sum(losses[0][0])  # it learns
+
+
+def test_pad_bags_holds_every_bag_in_order():
+    indices, offsets = torch.tensor([5, 6, 7, 8, 9, 10]), torch.tensor([0, 1, 1, 4])  # bag 1 is empty
+    padded, mask = sharded.pad_bags(indices, offsets)
+    assert padded.shape == mask.shape == (4, MAX_BAG_SIZE)
+    assert padded[mask].tolist() == indices.tolist() and mask.sum(1).tolist() == [1, 0, 3, 2]
 
 
 def test_training_keeps_trainers_in_sync_and_lowers_loss():

@@ -105,6 +105,29 @@ def keeping_weights(worker: distkit.Worker, args: argparse.Namespace) -> dict | 
     return example.run_worker(worker, args)
 
 
+def sharded_weights(model) -> dict[str, torch.Tensor]:
+    """CPU copies of a ``ShardedRNNModel``'s parameters, whole (a collective: every rank calls it), named
+    as in a one-process model."""
+    from torch.distributed.tensor import DTensor
+
+    return {name.replace("decoder.decoder.", "decoder."): (p.full_tensor() if isinstance(p, DTensor) else p)
+            .detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+def keeping_sharded_weights(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """rpc_rnn/sharded.py's ``run_worker``, with the weights kept before and after training."""
+    import rpc_rnn.sharded as example
+
+    run_trainer = example.run_trainer
+
+    def kept_run_trainer(model, *a) -> dict:
+        initial = sharded_weights(model)
+        return {**run_trainer(model, *a), "initial": initial, "final": sharded_weights(model)}
+
+    example.run_trainer = kept_run_trainer
+    return example.run_worker(worker, args)
+
+
 SMALL_RUN = [x for k, v in SIZES.items() for x in (f"--{k}", str(v))] + [
     "--pattern_len", "5", "--epochs", "2", "--batches", "2", "--lr", str(LR), "--seed", "4"]
 
@@ -128,6 +151,17 @@ def test_run_trainer_matches_single_process_training():
     for name, p in final.items():
         torch.testing.assert_close(out["final"][name], p.detach(), msg=lambda m: f"{name}: {m}")
         assert not torch.equal(out["final"][name], out["initial"][name]), f"{name} did not move"
+
+    # sharded.py from the same flags on 3 ranks (7 rows and columns: 3, 2, 2): the RPC version's
+    # initial weights, and over the whole run its losses and one process's weights
+    ranks = distkit.launch(keeping_sharded_weights, checked_args("rpc_rnn.sharded", *SMALL_RUN, "--dropout", "0",
+                                                                  "--world_size", "3"))
+    for name, p in out["initial"].items():
+        torch.testing.assert_close(ranks[0]["initial"][name], p, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    for rank in ranks.values():
+        torch.testing.assert_close(rank["losses"], out["losses"], **FLOAT32)
+        for name, p in final.items():
+            torch.testing.assert_close(rank["final"][name], p.detach(), **FLOAT32, msg=lambda m: f"{name}: {m}")
 
 
 def test_two_runs_give_identical_losses():

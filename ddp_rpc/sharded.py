@@ -1,0 +1,144 @@
+"""The same model as it is built today: the tutorial's ``HybridModel`` with its ``EmbeddingBag`` table
+sharded row-wise over every rank with DTensor (``DeviceMesh`` + ``parallelize_module``), ``fc`` under DDP
+as in the tutorial, a local ``torch.optim.SGD`` on every rank. Every rank is a trainer and holds 1/N of
+the table's rows: no master, no parameter server, no RPC. Rank r trains on trainer r's batches of main.py.
+
+    torchrun --nproc_per_node 2 ddp_rpc/sharded.py      # or: python ddp_rpc/sharded.py --world_size 2
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distkit
+from ddp_rpc.main import add_train_args, check_train_args
+from ddp_rpc.report import TrainerReport, print_summary
+from ddp_rpc.trainer import EMBEDDING_DIM, MAX_BAG_SIZE, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = distkit.ArgumentParser(description="DDP + a DTensor-sharded embedding table: every rank a trainer")
+    add_train_args(parser)  # main.py's flags, meaning the same here
+    distkit.add_launch_args(parser, world_size=2, hang_timeout=60)
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    distkit.check_launch_args(parser, args, min_world_size=1)
+    check_train_args(parser, args)
+    distkit.check_placements(parser, args, placement)
+
+
+def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+    """A GPU of its own per rank and NCCL, or every rank on the CPU with gloo."""
+    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
+
+
+def pad_bags(indices: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``EmbeddingBag``'s flat ``(indices, offsets)`` as a ``(bags, MAX_BAG_SIZE)`` index matrix and its mask
+    (padding looks up row 0 and counts 0). The width is fixed, not this batch's longest bag: RowwiseParallel
+    all-gathers every rank's indices, and ranks whose batches had other shapes would disagree."""
+    lengths = torch.diff(offsets, append=torch.tensor([len(indices)]))
+    mask = torch.arange(MAX_BAG_SIZE) < lengths[:, None]
+    padded = torch.zeros(len(offsets), MAX_BAG_SIZE, dtype=indices.dtype)
+    padded[mask] = indices  # row by row: bag b's indices fill row b's first lengths[b] slots
+    return padded, mask
+
+
+class ShardedHybridModel(nn.Module):
+    """``HybridModel`` with ``emb``, the table, here: its rows spread over ``mesh`` (rank r keeps its block),
+    each lookup answered by the collectives inside ``RowwiseParallel``. ``fc``: the tutorial's, under DDP."""
+
+    def __init__(self, emb: nn.Embedding, mesh: DeviceMesh, device: torch.device) -> None:
+        super().__init__()
+        # input_layouts=Shard(0): each rank's indices are its own bags; output_layouts=Shard(0): each rank
+        # gets its own bags' rows back. The weight becomes a DTensor, Shard(0), scattered from rank 0.
+        self.emb = parallelize_module(emb.to(device), mesh,
+                                      RowwiseParallel(input_layouts=Shard(0), output_layouts=Shard(0)))
+        device_ids = [device] if device.type == "cuda" else None
+        self.fc = DDP(nn.Linear(EMBEDDING_DIM, NUM_CLASSES).to(device), device_ids=device_ids)
+        self.device = device
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        padded, mask = pad_bags(indices, offsets)
+        rows = self.emb(padded.to(self.device))  # (bags, MAX_BAG_SIZE, EMBEDDING_DIM)
+        # EmbeddingBag(mode="sum"), which has no parallel style: the bag's rows summed, the padding masked
+        emb_lookup = (rows * mask.to(self.device).unsqueeze(-1)).sum(1)
+        return self.fc(emb_lookup)
+
+
+def train(model: ShardedHybridModel, rank: int, config: TrainConfig) -> TrainerReport:
+    """trainer.py's ``_run_trainer`` loop, with a local backward and a local optimizer."""
+    # one local SGD over every parameter: fc's plain tensors, and this rank's rows of the table (a DTensor)
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr)
+    criterion = torch.nn.CrossEntropyLoss()
+    report = TrainerReport.watch(rank, model, criterion, config.batches_per_epoch)  # as trainer.py's
+    for epoch in range(config.epochs):
+        for indices, offsets, target in get_next_batch(rank, config):
+            opt.zero_grad()
+            output = model(indices, offsets)
+            loss = criterion(output, target.to(model.device))
+            # DDP averages fc's gradients over the ranks; the table's rows get the sum of every rank's
+            # gradient, as the tutorial's table gets one SGD step per trainer (SGD: the same update)
+            loss.backward()
+            opt.step()
+        log.info(f"Training done for epoch {epoch}: loss {report.epoch_loss(epoch):.4f}")
+    return report.finish(model)
+
+
+def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    """Every rank: join the group, build its share of the model, train; rank 0 returns the summary."""
+    rank, world_size = worker.rank, worker.world_size
+    where = distkit.take_placement("ranks", rank, world_size, placement(worker, args))
+    dist.init_process_group(where.backend, store=distkit.process_group_store(), rank=rank, world_size=world_size)
+    mesh = init_device_mesh(where.device.type, (world_size,))
+    config = TrainConfig(args.epochs, args.batches_per_epoch, args.batch_size, args.lr, args.seed)
+    # the weights main.py draws with as many trainers: the table as its parameter server (rank N+1), fc
+    # as its trainer `rank` (DDP then gives every rank rank 0's, as there)
+    torch.manual_seed(args.seed * 1000 + world_size + 1)
+    emb = nn.Embedding(NUM_EMBEDDINGS, EMBEDDING_DIM)
+    torch.manual_seed(args.seed * 1000 + rank)
+    model = ShardedHybridModel(emb, mesh, where.device)
+    emb_before = model.emb.weight.full_tensor().cpu()  # every rank takes part in the gather
+    start = time.perf_counter()
+    report = train(model, rank, config)
+    seconds = time.perf_counter() - start
+    emb_after = model.emb.weight.full_tensor().cpu()
+    reports = [None] * world_size if rank == 0 else None
+    dist.gather_object(report, reports, dst=0)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    # the keys of main.py's summary: print_summary prints it the same way
+    return {"trainers": reports, "emb_before": emb_before, "emb_after": emb_after, "seconds": seconds,
+            "config": config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    # as the other examples: torchrun starts one process per rank; without it, mp.spawn starts --world_size
+    with distkit.Job(args) as job:
+        if job.torchrun:
+            job.run(run_worker, args)
+        else:
+            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+    summary = job.results.get(0)  # None: rank 0 ran on another machine
+    return 0 if summary is None or print_summary(summary) else 1
+
+
+if __name__ == "__main__":
+    distkit.exit_process(main())
