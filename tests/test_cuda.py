@@ -17,10 +17,12 @@ import torch
 
 import distkit
 from ddp_rpc import main as ddp_rpc
+from ddp_rpc import sharded as ddp_rpc_sharded
 from pipelining_transformer import main as pipelining_transformer
 from rpc_pipeline_resnet import main as rpc_pipeline_resnet
 from rpc_pipeline_resnet import pipelining as rpc_pipeline_resnet_pipelining
 from rpc_rnn import main as rpc_rnn
+from rpc_rnn import sharded as rpc_rnn_sharded
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]
 
@@ -74,6 +76,27 @@ def test_rpc_rnn_embedding_on_the_parameter_servers_gpu(capfd):
     out = capfd.readouterr().out
     assert "[rank 0] embedding table on cuda:0" in out and "[rank 0] embedding table on cpu" in out, out
     torch.testing.assert_close(gpu[1]["losses"], cpu[1]["losses"], **GPU)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])  # the whole table on one GPU, or its rows on two (NCCL)
+def test_ddp_rpc_sharded_table_on_gpus(world_size):
+    need_gpus(world_size)
+    gpu, cpu = both(ddp_rpc_sharded, ddp_rpc_sharded.run_worker, "--world_size", str(world_size), "--epochs", "2",
+                    "--batches_per_epoch", "3", "--batch_size", "8", "--seed", "1")
+    gpu, cpu = gpu[0], cpu[0]
+    assert [r.device for r in gpu["trainers"]] == [f"cuda:{i}" for i in range(world_size)]
+    for g, c in zip(gpu["trainers"], cpu["trainers"]):
+        torch.testing.assert_close(g.losses, c.losses, **GPU)
+        torch.testing.assert_close(g.fc_after, c.fc_after, **GPU)
+    torch.testing.assert_close(gpu["emb_after"], cpu["emb_after"], **GPU)
+
+
+def test_rpc_rnn_sharded_embedding_and_decoder_on_gpus():
+    need_gpus(2)
+    gpu, cpu = both(rpc_rnn_sharded, rpc_rnn_sharded.run_worker, "--world_size", "2", "--epochs", "3",
+                    "--batches", "5")
+    for rank in (0, 1):
+        torch.testing.assert_close(gpu[rank]["losses"], cpu[rank]["losses"], **GPU)
 
 
 @pytest.mark.parametrize("gpus, devices", [(1, ["cuda:0", "cuda:0"]), (2, ["cuda:0", "cuda:1"])])

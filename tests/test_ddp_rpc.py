@@ -315,3 +315,16 @@ def test_concurrent_optimizer_steps_on_the_table_lose_no_update():
     after = out["after"]
     lost = int((after != -float(CLIENTS * STEPS)).sum())
     assert lost == 0, f"{lost} of {after.numel()} table entries lost an update"
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("ddp_rpc.sharded", ["--world_size", "0"], "--world_size must be at least 1"),
+    ("ddp_rpc.sharded", ["--batch_size", "0"], "--batch_size must be at least 1"),
+    ("ddp_rpc.sharded", ["--device", "cuda"], "--device cuda was asked for, but no CUDA device is visible"),
+    ("rpc_rnn.sharded", ["--world_size", "0"], "--world_size must be at least 1"),
+    ("rpc_rnn.sharded", ["--ntoken", "1"], "--ntoken must be at least 2"),
+    ("rpc_rnn.sharded", ["--device", "cuda"], "--device cuda was asked for, but no CUDA device is visible"),
+])
+def test_the_sharded_versions_refuse_bad_input_before_launch(module, argv, message, capsys, monkeypatch):
+    """Both sharded.py files: their own launch checks, main.py's training flags, their placement."""
+    assert message in refused_before_launch(importlib.import_module(module).main, argv, capsys, monkeypatch)

@@ -8,7 +8,10 @@ every process that owns parameters, is the one these runs used to print (see the
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,13 +62,13 @@ EXCERPT_HEADING = "## What you see"
 NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?"
 
 
-def excerpt(readme: Path) -> list[str]:
-    """The lines of the first fenced block under the README's "What you see" section,
+def excerpt(readme: Path, heading: str = EXCERPT_HEADING) -> list[str]:
+    """The lines of the first ``text`` block under the README's section ``heading``,
     without commands (``$ ...``) and elisions (``...``)."""
     text = readme.read_text()
-    assert EXCERPT_HEADING in text, f"{readme} has no section {EXCERPT_HEADING!r}"
-    section = text.split(EXCERPT_HEADING, 1)[1]
-    block = section.split("```", 2)[1].split("\n", 1)[1]  # drop the fence's language tag
+    assert heading in text, f"{readme} has no section {heading!r}"
+    section = text.split(heading, 1)[1]
+    block = section.split("```text\n", 1)[1].split("```", 1)[0]
     return [line.rstrip() for line in block.splitlines()
             if line.strip() and not line.startswith("$") and line.strip() != "..."]
 
@@ -78,10 +81,10 @@ def line_pattern(line: str) -> re.Pattern:
     return re.compile(r"\s+".join(token(word) for word in line.split()))
 
 
-def missing_lines(readme: Path, output: str) -> list[str]:
+def missing_lines(readme: Path, output: str, heading: str = EXCERPT_HEADING) -> list[str]:
     """The excerpt's lines that no line of ``output`` matches (numbers aside)."""
     printed = output.splitlines()
-    return [line for line in excerpt(readme)
+    return [line for line in excerpt(readme, heading)
             if not any(line_pattern(line).search(p) for p in printed)]
 
 
@@ -109,3 +112,23 @@ def test_default_run_prints_no_warning(example):
     # the README's excerpt of a default run: the same lines, whatever the numbers
     missing = missing_lines(REPO / example / "README.md", out)
     assert not missing, "README lines this run did not print:\n" + "\n".join(missing) + "\n\n" + out
+
+
+@pytest.mark.timeout(300)
+def test_the_sharded_versions_readme_commands_print_no_warning():
+    """Both sharded.py files as their READMEs launch them (torchrun, 2 ranks), at once: exit 0, no
+    warning, every epoch's line, and for rpc_rnn the excerpt of "The same model today"."""
+    procs = {example: subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", f"{example}/sharded.py"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": ""}) for example in ("ddp_rpc", "rpc_rnn")}
+    outs = {example: proc.communicate(timeout=240)[0] for example, proc in procs.items()}
+    for example, out in outs.items():
+        assert procs[example].returncode == 0, out
+        warnings = [line for line in out.splitlines() if re.search("warn", line, re.IGNORECASE)]
+        assert not warnings, "\n".join(warnings)
+    _every_epoch_on_both_trainers(outs["ddp_rpc"])
+    assert "fc identical on all trainers: True" in outs["ddp_rpc"], outs["ddp_rpc"]
+    assert outs["rpc_rnn"].count("Training epoch 9\t") == 1, outs["rpc_rnn"]  # one line, not one a rank
+    missing = missing_lines(REPO / "rpc_rnn" / "README.md", outs["rpc_rnn"], "## The same model today")
+    assert not missing, "README lines this run did not print:\n" + "\n".join(missing) + "\n\n" + outs["rpc_rnn"]

@@ -83,6 +83,18 @@ def test_every_rpc_idea_and_its_pipelining_counterpart_are_on_their_lines():
     assert not problems(readme, BRIDGE), "\n".join(problems(readme, BRIDGE))
 
 
+TODAY = "## The same model today"
+
+
+@pytest.mark.parametrize("example", ["ddp_rpc", "rpc_rnn"])
+def test_every_rpc_piece_and_what_replaced_it_are_on_their_lines(example):
+    """The bridge from each RPC piece to its DTensor counterpart in sharded.py, both linked."""
+    readme = REPO / example / "README.md"
+    rows = map_rows(readme, TODAY)
+    assert "sharded.py" in {rel for _, rel, _ in rows} and len(rows) >= 16, rows
+    assert not problems(readme, TODAY), "\n".join(problems(readme, TODAY))
+
+
 LINE_LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)#L(\d+)\)")
 
 
