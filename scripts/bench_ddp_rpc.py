@@ -2,6 +2,7 @@
 
     python scripts/bench_ddp_rpc.py --quick                        # about a minute on 2 cores
     python scripts/bench_ddp_rpc.py --plot docs/results/ddp_rpc.png   # 1 and 2 trainers, 3 batch sizes
+    python scripts/bench_ddp_rpc.py --versus      # main.py beside sharded.py: 2 and 4 ranks, 2 table sizes
 
 The example's ``run_worker`` unchanged, against one trainer's arithmetic alone in this process
 (same modules and batches, plain SGD): comm share is the rest, everything beyond a trainer's own
@@ -10,8 +11,12 @@ arithmetic. On the CPU, so both sides use the same device. Columns: docs/ddp_rpc
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,10 +26,16 @@ import torch.optim as optim
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
 from rpc_phases import PhaseClock, launch_timed, phase_seconds, plot, print_tables  # noqa: E402
-from rpc_phases import rpc_round_trip, summarize, threads  # noqa: E402
-from benchlib import check_at_least, describe_machine  # noqa: E402
+from rpc_phases import print_versus, rpc_round_trip, rpc_step_ms, step_ms, summarize, threads  # noqa: E402
+from rpc_phases import versus_row  # noqa: E402
+from benchlib import check_at_least, describe_machine, median  # noqa: E402
+import ddp_rpc.main as ddp_main  # noqa: E402
+from ddp_rpc import sharded, trainer  # noqa: E402
 from ddp_rpc.main import build_parser as ddp_parser, check_args as ddp_check, run_worker  # noqa: E402
 from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch  # noqa: E402
+
+# --versus: the tutorial's table, and one whose updates make the parameter server the bottleneck
+TABLES = {"tiny": (100, 4), "default": (NUM_EMBEDDINGS, EMBEDDING_DIM), "large": (1_000_000, 64)}
 
 
 def time_local(config: TrainConfig, warmup: int) -> dict[str, list[float]]:
@@ -46,6 +57,70 @@ def time_local(config: TrainConfig, warmup: int) -> dict[str, list[float]]:
     return phase_seconds(clock.marks, warmup)
 
 
+def set_table(rows: int, dim: int) -> None:
+    """The table's size in this process: both versions read it from these module constants."""
+    for module in (ddp_main, trainer, sharded):
+        module.NUM_EMBEDDINGS, module.EMBEDDING_DIM = rows, dim
+
+
+def sized(run: Callable, rows: int, dim: int, worker: distkit.Worker, args: argparse.Namespace) -> object:
+    """In every rank: ``run`` on a table of ``rows`` x ``dim``."""
+    set_table(rows, dim)
+    return run(worker, args)
+
+
+def time_same_work(config: TrainConfig, ranks: int, warmup: int) -> float:
+    """ms per step of one process doing every rank's work: each rank's batch through one table and fc."""
+    emb = nn.EmbeddingBag(trainer.NUM_EMBEDDINGS, trainer.EMBEDDING_DIM, mode="sum")
+    fc = nn.Linear(trainer.EMBEDDING_DIM, NUM_CLASSES)
+    opt = optim.SGD([*emb.parameters(), *fc.parameters()], lr=config.lr)
+    criterion = nn.CrossEntropyLoss()
+    ends = []
+    for batches in zip(*(get_next_batch(r, config) for r in range(ranks))):
+        opt.zero_grad()
+        sum(criterion(fc(emb(indices, offsets)), target) for indices, offsets, target in batches).backward()
+        opt.step()
+        ends.append(time.perf_counter())
+    return 1e3 * median([b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])])
+
+
+def versus(parser: argparse.ArgumentParser, args: argparse.Namespace, iters: int) -> list[dict]:
+    """main.py (N trainers, a master, a parameter server) beside sharded.py (N ranks) on the same batches."""
+    tables = args.tables or (["default"] if args.quick else ["default", "large"])
+    rank_counts = args.trainers or ([2] if args.quick else [2, 4])
+    batch = (args.batch_sizes or [16])[0]
+    flags = ["--epochs", "1", "--batches_per_epoch", str(args.warmup + iters), "--batch_size", str(batch),
+             "--seed", str(args.seed), "--device", "cpu", "--threads", "1"]
+    runs = []  # every run's flags, checked by the examples' own check_args before anything runs
+    for n in rank_counts:
+        rpc_args = ddp_parser().parse_args([*flags, "--world_size", str(n + 2)])
+        ddp_check(parser, rpc_args)
+        sharded_args = sharded.build_parser().parse_args([*flags, "--world_size", str(n)])
+        sharded.check_args(parser, sharded_args)
+        runs.append((n, rpc_args, sharded_args))
+    print(describe_machine(max(rank_counts) + 2, 1))
+    rows = []
+    for table in tables:
+        rows_dim = TABLES[table]
+        set_table(*rows_dim)
+        name = f"{table} {rows_dim[0]}x{rows_dim[1]}"
+        for n, rpc_args, sharded_args in runs:
+            with threads(1):
+                local = time_same_work(TrainConfig(1, args.warmup + iters, batch, rpc_args.lr, args.seed), n,
+                                       args.warmup)
+            bound = min(n, os.cpu_count() or 1)  # N single-threaded trainers at most N (or every core) at once
+            rpc_ms, rpc_out = rpc_step_ms(functools.partial(sized, run_worker, *rows_dim), rpc_args, args.warmup)
+            rows.append(versus_row(name, "RPC (main.py)", n, rpc_ms, local, bound))
+            sharded_ms, sharded_out = step_ms(functools.partial(sized, sharded.run_worker, *rows_dim), sharded_args,
+                                              args.warmup)
+            rows.append(versus_row(name, "DTensor (sharded.py)", n, sharded_ms, local, bound))
+            # the ranks trained the table asked for (the master's summary, rank 0's)
+            assert rpc_out[n]["emb_after"].shape == sharded_out[0]["emb_after"].shape == rows_dim
+    print_versus(rows, "every rank's batch through one table and fc, one SGD step")
+    assert all(math.isfinite(r[k]) for r in rows for k in ("ms/step", "1 process ms/step"))
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
@@ -58,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtt_calls", type=int, default=200, help="timed no-op RPC round trips")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write the time split per configuration here (PNG)")
+    p.add_argument("--versus", action="store_true",
+                   help="time main.py beside sharded.py (--trainers: ranks of each, default 2 4; the first of "
+                        "--batch_sizes, default 16; --tables)")
+    p.add_argument("--tables", nargs="+", choices=list(TABLES), default=None,
+                   help="--versus: table sizes (default: default large; quick: default)")
     return p
 
 
@@ -71,6 +151,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     check_at_least(parser, 1, {"--trainers": trainer_counts, "--batch_sizes": batch_sizes,
                                "--iters": iters, "--warmup": args.warmup, "--rtt_calls": args.rtt_calls})
     check_at_least(parser, 0, {"--seed": args.seed})
+    if args.versus:  # fewer steps: a large table's take a second
+        return versus(parser, args, args.iters or (10 if args.quick else 30))
     # every run's flags, checked by the example's own check_args before anything runs
     runs = []
     for trainers in trainer_counts:

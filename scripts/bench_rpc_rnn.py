@@ -2,6 +2,7 @@
 
     python scripts/bench_rpc_rnn.py --quick                        # about a minute on 2 cores
     python scripts/bench_rpc_rnn.py --plot results/rpc_rnn.png     # default, medium, large models
+    python scripts/bench_rpc_rnn.py --versus      # main.py beside sharded.py on 2 and 4 ranks, 2 vocabularies
 
 The example's ``run_worker`` unchanged, against the same modules and batches in this process
 (plain SGD, no RPC, the same threads): rpc share is the rest, what is not the model's own
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,9 +22,10 @@ import torch.optim as optim
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
-from benchlib import check_at_least, describe_machine, format_table  # noqa: E402
+from benchlib import check_at_least, describe_machine, format_table, median  # noqa: E402
 from rpc_phases import (PhaseClock, launch_timed, phase_seconds, plot, print_tables,  # noqa: E402
-                        rpc_round_trip, summarize, threads)
+                        print_versus, rpc_round_trip, rpc_step_ms, step_ms, summarize, threads, versus_row)
+from rpc_rnn import sharded  # noqa: E402
 from rpc_rnn.main import build_parser as rnn_parser, check_args as rnn_check  # noqa: E402
 from rpc_rnn.main import get_next_batch, make_stream, run_worker  # noqa: E402
 from rpc_rnn.rnn import Decoder, EmbeddingTable  # noqa: E402
@@ -33,6 +36,8 @@ CONFIGS: dict[str, dict[str, int]] = {
     "default": dict(ntoken=10, ninp=16, nhid=32, nlayers=2, seq_len=5, batch_size=8),
     "medium": dict(ntoken=1000, ninp=64, nhid=128, nlayers=2, seq_len=20, batch_size=32),
     "large": dict(ntoken=10000, ninp=200, nhid=200, nlayers=2, seq_len=35, batch_size=20),
+    # --versus: the default model with a vocabulary whose tables and scores outgrow the parameter server
+    "vocab": dict(ntoken=1_000_000, ninp=64, nhid=64, nlayers=2, seq_len=5, batch_size=8),
 }
 
 
@@ -75,6 +80,37 @@ def time_local(args: argparse.Namespace, warmup: int) -> dict[str, list[float]]:
     return phase_seconds(clock.marks, warmup)
 
 
+def versus(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict]:
+    """main.py (a parameter server and a trainer) beside sharded.py (N ranks, each every batch)."""
+    configs = args.configs or (["default"] if args.quick else ["default", "vocab"])
+    rank_counts = args.ranks or ([2] if args.quick else [2, 4])
+    iters = args.iters or (10 if args.quick else 30)
+    runs = []  # every run's flags, checked by the examples' own check_args before anything runs
+    for name in configs:
+        flags = [*(x for k, v in CONFIGS[name].items() for x in (f"--{k}", str(v))), "--epochs", "1", "--batches",
+                 str(args.warmup + iters), "--seed", str(args.seed), "--device", "cpu", "--threads", "1"]
+        rpc_args = rnn_parser().parse_args(flags)
+        rnn_check(parser, rpc_args)
+        sharded_runs = []
+        for n in rank_counts:
+            sharded_runs.append((n, sharded.build_parser().parse_args([*flags, "--world_size", str(n)])))
+            sharded.check_args(parser, sharded_runs[-1][1])
+        runs.append((name, rpc_args, sharded_runs))
+    print(describe_machine(max(2, *rank_counts), 1))
+    rows = []
+    for name, rpc_args, sharded_runs in runs:
+        with threads(1):
+            local = 1e3 * median(time_local(rpc_args, args.warmup)["iteration"])
+        # the trainer and the parameter server take turns (every RPC is synchronous): never faster than one
+        rows.append(versus_row(name, "RPC (main.py)", 2, rpc_step_ms(run_worker, rpc_args, args.warmup)[0], local, 1))
+        for n, sharded_args in sharded_runs:
+            ms = step_ms(sharded.run_worker, sharded_args, args.warmup)[0]
+            rows.append(versus_row(name, "DTensor (sharded.py)", n, ms, local, min(n, os.cpu_count() or 1)))
+    print_versus(rows, "the whole model, every batch")
+    assert all(math.isfinite(r[k]) for r in rows for k in ("ms/step", "1 process ms/step"))
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
@@ -85,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtt_calls", type=int, default=200, help="timed no-op RPC round trips")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--plot", default=None, help="write the time split per configuration here (PNG)")
+    p.add_argument("--versus", action="store_true",
+                   help="time main.py beside sharded.py (--configs default: default vocab; quick: default)")
+    p.add_argument("--ranks", type=int, nargs="+", default=None,
+                   help="--versus: sharded.py's ranks (default 2 4; quick 2)")
     return p
 
 
@@ -96,6 +136,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     iters = (30 if args.quick else 100) if args.iters is None else args.iters
     check_at_least(parser, 1, {"--iters": iters, "--warmup": args.warmup, "--rtt_calls": args.rtt_calls})
     check_at_least(parser, 0, {"--seed": args.seed})
+    check_at_least(parser, 1, {"--ranks": args.ranks})
+    if args.versus:
+        return versus(parser, args)
     runs = []  # every run's flags, checked by the example's own check_args before anything runs
     for name in configs:
         sizes = [x for k, v in CONFIGS[name].items() for x in (f"--{k}", str(v))]

@@ -1,4 +1,5 @@
-"""What the RPC benchmarks share: phase clocks (bench_rpc_rnn, bench_ddp_rpc), the round trip (all three).
+"""What the RPC benchmarks share: phase clocks (bench_rpc_rnn, bench_ddp_rpc), the round trip (all three),
+and the RPC version timed beside sharded.py (``--versus``).
 
 ``PhaseClock`` times a loop's forward, backward and step from outside (wrapping
 ``dist_autograd.backward`` and ``DistributedOptimizer.step`` in the workers, the same clock
@@ -19,6 +20,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import distkit
 from benchlib import format_table, median, save_plot
@@ -174,3 +176,45 @@ def plot(path: str | None, rows: list[dict], title: str, rest: str = "rpc") -> N
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
 
     save_plot(path, draw)
+
+
+# ---------------------------------------- --versus: the RPC version beside sharded.py, the same work
+
+def rpc_step_ms(run: Callable, args: argparse.Namespace, warmup: int) -> tuple[float, dict]:
+    """Median ms from one ``DistributedOptimizer.step`` to the next, over every trainer (PhaseClock); and
+    what each rank's ``run`` returned."""
+    out = distkit.launch(functools.partial(timed_run, run), args)
+    times = [t for r in out.values() if r["marks"] for t in phase_seconds(r["marks"], warmup)["iteration"]]
+    return 1e3 * median(times), {rank: r["result"] for rank, r in out.items()}
+
+
+def _step_ends(run: Callable, worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """In every rank: ``run(worker, args)``, the end of each local optimizer step timed (a global hook)."""
+    ends: list[float] = []
+    handle = register_optimizer_step_post_hook(lambda *_: ends.append(time.perf_counter()))
+    try:
+        return {"result": run(worker, args), "ends": ends}
+    finally:
+        handle.remove()
+
+
+def step_ms(run: Callable, args: argparse.Namespace, warmup: int) -> tuple[float, dict]:
+    """Median ms from one optimizer step to the next, over every rank (sharded.py: every rank trains); and
+    what each rank's ``run`` returned."""
+    out = distkit.launch(functools.partial(_step_ends, run), args)
+    times = [b - a for r in out.values() for a, b in zip(r["ends"][warmup:], r["ends"][warmup + 1:])]
+    return 1e3 * median(times), {rank: r["result"] for rank, r in out.items()}
+
+
+def versus_row(config: str, version: str, ranks: int, ms: float, local_ms: float, bound: float) -> dict:
+    """One version's line: its ms per step beside one process doing the same work, and the bound of its
+    speed-up (what the cores and the version's own waits allow); above it, the row says so."""
+    speedup = local_ms / ms
+    return {"config": config, "version": version, "ranks": ranks, "ms/step": ms, "1 process ms/step": local_ms,
+            "speed-up": speedup, "bound": bound, "note": "ABOVE ITS BOUND: a measurement bug" if speedup > bound else ""}
+
+
+def print_versus(rows: list[dict], what: str) -> None:
+    print(f"# ms per step (median); 1 process: {what}; every process one thread")
+    print(format_table(["config", "version", "ranks", "ms/step", "1 process ms/step", "speed-up", "bound", "note"],
+                       rows))

@@ -76,3 +76,26 @@ def test_cli_run():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("# machine:")
     assert "where the extra time goes" in proc.stdout
+
+
+@pytest.mark.parametrize("name, argv", [
+    ("bench_ddp_rpc", ["--tables", "tiny", "--trainers", "2", "--batch_sizes", "4"]),
+    ("bench_rpc_rnn", ["--configs", "tiny", "--ranks", "2"]),
+])
+def test_versus_times_both_versions_beside_one_process(name, argv, capsys):
+    """--versus: a row per version, each ms/step beside one process's and the speed-up's bound (ddp_rpc's
+    runs also check, inside, that both versions trained the table asked for)."""
+    rows, out = run_bench(name, [*argv, "--versus", "--iters", "3", "--warmup", "1"], capsys)
+    assert [r["version"] for r in rows] == ["RPC (main.py)", "DTensor (sharded.py)"], out
+    for row in rows:
+        assert row["ms/step"] > 0 and row["1 process ms/step"] > 0, row
+        assert row["speed-up"] == pytest.approx(row["1 process ms/step"] / row["ms/step"])
+        assert (row["note"] != "") == (row["speed-up"] > row["bound"]), row
+    assert rows[1]["bound"] == 2 and rows[0]["bound"] == (1 if name == "bench_rpc_rnn" else 2)
+
+
+def test_a_speed_up_above_its_bound_is_flagged():
+    from rpc_phases import versus_row
+
+    assert versus_row("c", "v", 2, ms=1.0, local_ms=3.0, bound=2)["note"].startswith("ABOVE ITS BOUND")
+    assert versus_row("c", "v", 2, ms=1.0, local_ms=1.5, bound=2)["note"] == ""
