@@ -71,6 +71,18 @@ def connect(timeout: timedelta) -> dist.Store:
     return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
 
 
+def release_store(rank: int, world_size: int) -> None:
+    """At a rank's end under srun, where rank 0's process hosts the store that every rank's
+    ``rpc.shutdown()`` still reads: each rank says it is done, and rank 0 returns once all have (over
+    two nodes rank 0 once left first, and a peer's shutdown failed with "Connection reset by peer")."""
+    if "DISTKIT_SRUN" not in os.environ:
+        return
+    store = job_store("distkit/done/")
+    store.set(str(rank), "1")
+    if _hosted is not None:
+        store.wait([str(r) for r in range(world_size)])
+
+
 def restart_key() -> str:
     """A key prefix per torchrun restart where one store serves them all (the agent's); "" where each
     has its own, as machines may count restarts differently (pytorch/pytorch#135712)."""

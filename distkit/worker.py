@@ -23,7 +23,7 @@ import torch.distributed.rpc as rpc
 
 from . import watchdog
 from .device import DeviceError, pick_device, threads_per_process
-from .rendezvous import is_loopback, under_torchrun
+from .rendezvous import is_loopback, release_store, under_torchrun
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,7 @@ def run_rank(fn: Callable, worker: Worker, args: argparse.Namespace, failure_fil
         cleanup(graceful=False)
         raise
     cleanup(graceful=True)  # watched too: a graceful shutdown waits for every peer
+    release_store(worker.rank, worker.world_size)  # under srun, rank 0 hosts the store: the last to go
     if watch:
         watch.stop()
     return result

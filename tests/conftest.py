@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -375,3 +378,72 @@ def workers_round_differently():
         if narrower is not None:
             mp.setenv("ATEN_CPU_CAPABILITY", narrower)
         yield narrower
+
+
+# Hosts without machines (tests/test_multihost.py, tests/test_slurm.py): network namespaces on a bridge.
+IFNAME = "eth0"  # each host's interface; the interface variables name it
+
+
+@dataclass(frozen=True)
+class Host:
+    ns: str
+    addr: str
+
+
+def ip(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *argv], capture_output=True, text=True, check=True, timeout=30)
+
+
+def _teardown(namespaces: list[str]) -> None:
+    """Kill what still runs in each namespace (only this test's processes live there), drop it.
+
+    Deleting a namespace also deletes its end of every veth pair, and so the pair.
+    """
+    for ns in namespaces:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+        for pid in pids.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@contextlib.contextmanager
+def network_hosts(prefix: str, count: int, subnet: str) -> Iterator[list[Host]]:
+    """``count`` hosts, each a network namespace ``<prefix>h<i>`` with one veth interface (``eth0``,
+    ``<subnet>.<i>/24``) on a bridge that lives in a namespace of its own: nothing is added to this
+    machine's own network. Torn down on the way out, with everything still running in them."""
+    if os.geteuid() != 0:
+        pytest.skip("multi-host tests create network namespaces, which needs root")
+    # CI runs as root, and there these tests must run: a missing tool fails them, not skips
+    unavailable = pytest.fail if os.environ.get("CI") else pytest.skip
+    for tool in ("ip", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            unavailable(f"multi-host tests need `{tool}` (iproute2, util-linux)")
+    bridge = f"{prefix}br"
+    try:
+        ip("netns", "add", bridge)
+    except subprocess.CalledProcessError as e:
+        unavailable(f"`ip netns add` is not available here: {e.stderr.strip()}")
+    created = [bridge]
+    try:
+        ip("-n", bridge, "link", "add", "br0", "type", "bridge")
+        ip("-n", bridge, "link", "set", "br0", "up")
+        result = []
+        for i in range(1, count + 1):
+            host = Host(f"{prefix}h{i}", f"{subnet}.{i}")
+            ip("netns", "add", host.ns)
+            created.append(host.ns)
+            # the veth pair is born in the bridge's namespace, its host end moved straight
+            # into the host's: nothing ever appears in this machine's own namespace
+            ip("-n", bridge, "link", "add", f"p{i}", "type", "veth", "peer", "name", IFNAME, "netns", host.ns)
+            ip("-n", bridge, "link", "set", f"p{i}", "master", "br0")
+            ip("-n", bridge, "link", "set", f"p{i}", "up")
+            ip("-n", host.ns, "link", "set", "lo", "up")
+            ip("-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", IFNAME)
+            ip("-n", host.ns, "link", "set", IFNAME, "up")
+            result.append(host)
+        yield result
+    finally:
+        _teardown(created)

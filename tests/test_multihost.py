@@ -27,7 +27,6 @@ import json
 import ipaddress
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,23 +39,16 @@ import pytest
 import torch
 
 import distkit
-from conftest import (FLOAT32, PRINTED_4, REPO, assert_equals_uninterrupted, children, cmdline,
-                      logged_losses, resumed_steps, run_cli, workers_by_rank)
+from conftest import (FLOAT32, IFNAME, PRINTED_4, REPO, Host, assert_equals_uninterrupted, children, cmdline,
+                      ip as _ip, logged_losses, network_hosts, resumed_steps, run_cli, workers_by_rank)
 from pipelining_transformer import checkpoint
 
 SUBNET = "10.231.0"
-IFNAME = "eth0"  # each host's interface; the interface variables name it
 # The hosts are fresh private namespaces, so any port is free in them: a fixed one per
 # test (not one shared by all: a closed store's port may linger in TIME_WAIT).
 DDP_RPC_PORT, C10D_PORT, STATIC_PORT, DP_PORT, ELASTIC_PORT, USED_UP_PORT = (
     29400, 29410, 29420, 29430, 29440, 29450)
 HOST_TIMEOUT = 200  # seconds for all hosts of one run, start-up included (slow, shared CPUs)
-
-
-@dataclass(frozen=True)
-class Host:
-    ns: str
-    addr: str
 
 
 @dataclass
@@ -67,63 +59,12 @@ class HostRun:
     listening: set[tuple[str, int]]  # (address, port) of every listening TCP socket seen
 
 
-def _ip(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *argv], capture_output=True, text=True, check=True, timeout=30)
-
-
-def _teardown(namespaces: list[str]) -> None:
-    """Kill what still runs in each namespace (only this test's processes live there), drop it.
-
-    Deleting a namespace also deletes its end of every veth pair, and so the pair.
-    """
-    for ns in namespaces:
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-        for pid in pids.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def hosts():
-    """Six hosts on one bridge; torn down after the module's tests, failed or not."""
-    if os.geteuid() != 0:
-        pytest.skip("multi-host tests create network namespaces, which needs root")
-    # CI runs as root, and there these tests must run: a missing tool fails them, not skips
-    unavailable = pytest.fail if os.environ.get("CI") else pytest.skip
-    for tool in ("ip", "unshare"):
-        if shutil.which(tool) is None:
-            unavailable(f"multi-host tests need `{tool}` (iproute2, util-linux)")
-    prefix = f"mh{os.getpid()}"  # unique per test run
-    bridge = f"{prefix}br"
-    try:
-        _ip("netns", "add", bridge)
-    except subprocess.CalledProcessError as e:
-        unavailable(f"`ip netns add` is not available here: {e.stderr.strip()}")
-    created = [bridge]
-    try:
-        _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
-        _ip("-n", bridge, "link", "set", "br0", "up")
-        result = []
-        for i in range(1, 7):  # three, and three more for the hang cases' pairs
-            host = Host(f"{prefix}h{i}", f"{SUBNET}.{i}")
-            _ip("netns", "add", host.ns)
-            created.append(host.ns)
-            # the veth pair is born in the bridge's namespace, its host end moved straight
-            # into the host's: nothing ever appears in this machine's own namespace
-            _ip("-n", bridge, "link", "add", f"p{i}", "type", "veth", "peer", "name", IFNAME,
-                "netns", host.ns)
-            _ip("-n", bridge, "link", "set", f"p{i}", "master", "br0")
-            _ip("-n", bridge, "link", "set", f"p{i}", "up")
-            _ip("-n", host.ns, "link", "set", "lo", "up")
-            _ip("-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", IFNAME)
-            _ip("-n", host.ns, "link", "set", IFNAME, "up")
-            result.append(host)
+    """Six hosts on one bridge (three, and three more for the hang cases' pairs); torn down after
+    the module's tests, failed or not."""
+    with network_hosts(f"mh{os.getpid()}", 6, SUBNET) as result:
         yield result
-    finally:
-        _teardown(created)
 
 
 def _listening(pid: int, ns: str) -> set[tuple[str, int]]:

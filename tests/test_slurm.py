@@ -1,6 +1,7 @@
 """Under SLURM (issue 34): ``srun -n N python X/main.py`` is one job of N ranks, each task one rank
-(``distkit.rendezvous.adopt_srun_task``), not N whole jobs. On a real SLURM: a one-node cluster
-(munged, slurmctld, slurmd) this session starts in a directory of its own, where SLURM is installed
+(``distkit.rendezvous.adopt_srun_task``), not N whole jobs. On a real SLURM: a two-node cluster
+(munged, slurmctld, a slurmd on each node, each node a network namespace with its own address, host
+name and PID namespace) this module starts in a directory of its own, where SLURM is installed
 (``.ci/run`` installs it as root: ``apt-get install slurm-wlm munge``); elsewhere those tests skip
 with the reason. The environment's reading is also checked in-process, with SLURM's variables.
 """
@@ -12,16 +13,16 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import (PRINTED_4, REPO, alive, assert_all_gone, assert_equals_uninterrupted, checked_args,
-                      logged_losses, refused_before_launch, resumed_steps, run_cli)
+from conftest import (IFNAME, PRINTED_4, REPO, alive, assert_all_gone, assert_equals_uninterrupted, checked_args,
+                      logged_losses, network_hosts, refused_before_launch, resumed_steps, run_cli)
 
 # what srun gives task 2 of 3, the only task on the second of two nodes
 SRUN_TASK_2 = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
@@ -74,37 +75,48 @@ def test_flags_that_disagree_with_srun_are_refused(argv, message, srun_env, caps
     assert message in refused_before_launch(main, argv, capsys, monkeypatch)
 
 
-# ---------------------------------------------------------------- a real SLURM, one node
+# ----------------------------------------------------------- a real SLURM, two nodes
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass(frozen=True)
+class Cluster:
+    """A two-node SLURM: ``login`` prefixes a command run on node1 (where slurmctld is), ``env`` its
+    environment (``SLURM_CONF``, and every library's interface: the nodes' ``eth0``)."""
+
+    env: dict[str, str]
+    login: list[str]
+
+    def run(self, *argv: str, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.login, *argv], cwd=REPO, env=self.env, capture_output=True, text=True,
+                              **kwargs)
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """``SLURM_CONF`` of a one-node cluster this module starts and stops; skips without SLURM or root."""
+    """A cluster of two nodes this module starts and stops: munged, then slurmctld on node1 and a slurmd
+    on each node, each node a network namespace of ``conftest.network_hosts`` (its own address, host
+    name, PID namespace; /etc/hosts naming both nodes). Skips without SLURM or root."""
     missing = [d for d in ("munged", "slurmctld", "slurmd", "srun") if not shutil.which(d)
                and not Path("/usr/sbin", d).exists()]
     if missing or os.geteuid() != 0:
         pytest.skip(f"needs SLURM and root ({'missing ' + ', '.join(missing) if missing else 'not root'}): "
                     f"as root, apt-get install slurm-wlm munge (.ci/run does)")
     d = tmp_path_factory.mktemp("slurm")
-    node = "localhost"  # slurmd -N: no lookup of this machine's name, which a container may not resolve
-    conf = d / "slurm.conf"
-    conf.write_text(f"""ClusterName=distkit-test
-SlurmctldHost={node}
+    with network_hosts(f"sl{os.getpid()}", 2, "10.232.0") as nodes:
+        names = [f"node{i}" for i in (1, 2)]
+        (d / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{n.addr} {name}\n" for n, name in zip(nodes, names)))
+        for name in names:
+            (d / f"spool-{name}").mkdir()
+        conf = d / "slurm.conf"
+        conf.write_text(f"""ClusterName=distkit-test
+SlurmctldHost={names[0]}({nodes[0].addr})
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
 StateSaveLocation={d}
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool-%n
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
+SlurmdLogFile={d}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -114,47 +126,56 @@ ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SlurmdParameters=config_overrides
-NodeName={node} NodeAddr=127.0.0.1 CPUs=8 RealMemory=4000 State=UNKNOWN
-PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
-""")  # CPUs=8 on any machine (config_overrides): four 2-rank tasks fit a 2-core one
-    env = {**os.environ, "SLURM_CONF": str(conf)}
-    daemons = []
-    if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:  # none running
-        Path("/run/munge").mkdir(exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        daemons.append(subprocess.Popen(["su", "-s", "/bin/sh", "munge", "-c", "exec /usr/sbin/munged -F"]))
-        while subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:
-            time.sleep(0.2)
-    daemons += [subprocess.Popen([f"/usr/sbin/{d}", "-D", "-f", str(conf), *extra], env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for d, extra in (("slurmctld", []), ("slurmd", ["-N", node]))]
-    try:
-        deadline = time.monotonic() + 60
-        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
-                                           text=True).stdout:
-            if time.monotonic() > deadline:
-                pytest.fail(f"the test cluster did not come up:\n{(d / 'slurmctld.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield env
-    finally:
-        subprocess.run(["scancel", "--user", getpass.getuser()], env=env)
-        for p in daemons:
-            p.terminate()
-        for p in daemons:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+""" + "".join(f"NodeName={name} NodeAddr={n.addr} CPUs=4 RealMemory=4000 State=UNKNOWN\n"
+              for n, name in zip(nodes, names)) +
+            "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE\n")
+        # CPUs=4 a node on any machine (config_overrides): two 2-rank tasks fit each
+        env = {**os.environ, "SLURM_CONF": str(conf), "PYTHONUNBUFFERED": "1", "IFNAME": IFNAME,  # train.sbatch's
+               "GLOO_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME}  # a bare srun's
+        daemons = []
+        if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:  # none running
+            Path("/run/munge").mkdir(exist_ok=True)
+            shutil.chown("/run/munge", "munge", "munge")
+            daemons.append(subprocess.Popen(["su", "-s", "/bin/sh", "munge", "-c", "exec /usr/sbin/munged -F"]))
+            while subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:
+                time.sleep(0.2)
+        for i, (node, name) in enumerate(zip(nodes, names)):
+            # on the node's network, under its name; a slurmd in a PID namespace with its own /proc, as
+            # on a machine of its own (SLURM's proctrack finds the tasks it starts there)
+            for daemon in (["slurmctld"] if i == 0 else []) + ["slurmd"]:
+                flags = "--mount --uts" + (" --pid --fork --kill-child --mount-proc" if daemon == "slurmd" else "")
+                daemons.append(subprocess.Popen(
+                    ["nsenter", f"--net=/run/netns/{node.ns}", "unshare", *flags.split(), "sh", "-c",
+                     f"mount --bind {d}/hosts /etc/hosts && hostname {name} && exec /usr/sbin/{daemon} -D -f {conf}"
+                     + (f" -N {name}" if daemon == "slurmd" else "")],
+                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        cluster = Cluster(env, ["nsenter", f"--net=/run/netns/{nodes[0].ns}"])
+        try:
+            deadline = time.monotonic() + 60
+            while cluster.run("sinfo", "-h", "-o", "%T %D").stdout.split() != ["idle", "2"]:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the test cluster did not come up:\n{(d / 'slurmctld.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+            yield cluster
+        finally:
+            cluster.run("scancel", "--user", getpass.getuser())
+            for p in daemons:
+                p.terminate()
+            for p in daemons:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
 
 
-def _srun(slurm: dict, ntasks: int, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["srun", "-n", str(ntasks), "--kill-on-bad-exit=1", sys.executable, *argv],
-                          cwd=REPO, env={**slurm, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
-                          timeout=240)
+def _srun(slurm: Cluster, ntasks: int, *argv: str) -> subprocess.CompletedProcess:
+    """``srun -N 2 -n ntasks python argv`` from node1: the tasks spread over both nodes."""
+    return slurm.run("srun", "-N", "2", "-n", str(ntasks), "--kill-on-bad-exit=1", sys.executable, *argv,
+                     timeout=240)
 
 
 def test_srun_runs_one_job_of_its_tasks(slurm):
-    """The issue's case: three tasks of rpc_rl, one job (one agent, one "Solved!"), not three."""
+    """The issue's case: three tasks of rpc_rl over two nodes, one job (one agent, one "Solved!"), not three."""
     proc = _srun(slurm, 3, "rpc_rl/main.py", "--reward_threshold", "0.5", "--max_episodes", "5")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("Solved!") == 1, proc.stdout
@@ -162,11 +183,12 @@ def test_srun_runs_one_job_of_its_tasks(slurm):
 
 RNN_LOSS, PIPELINE_LOSS = r"Training epoch \d+\tloss ([0-9.]+)", r"step \d+/\d+  loss ([0-9.]+)"
 RNN, PIPELINE = ("rpc_rnn/main.py", "--epochs", "3"), ("pipelining_transformer/main.py", "--steps", "3")
-# how SLURM starts it, the example's command line, the one-machine run's flags beside it, its losses
+# how SLURM starts it over the two nodes, the example's command line, the one-machine run's flags beside
+# it, its losses
 AS_ON_ONE_MACHINE = [
-    (["srun", "-n", "2"], RNN, (), RNN_LOSS),
+    (["srun", "-n", "2"], RNN, (), RNN_LOSS),  # a rank a node
     (["sbatch", "-n", "2"], RNN, (), RNN_LOSS),  # scripts/slurm/train.sbatch: srun, a task per rank
-    (["sbatch", "--ntasks-per-node", "2"], PIPELINE, ("--world_size", "2"), PIPELINE_LOSS),  # torchrun
+    (["sbatch", "--ntasks-per-node", "1"], PIPELINE, ("--world_size", "2"), PIPELINE_LOSS),  # torchrun a node
 ]
 
 
@@ -186,9 +208,9 @@ def test_slurm_trains_what_one_machine_trains(how, argv, here, pattern, slurm, t
         out = proc.stdout
     else:
         log = tmp_path / "job.out"
-        proc = subprocess.run(["sbatch", "--wait", "-N", "1", *how[1:], "-o", str(log),
-                               "scripts/slurm/train.sbatch", *argv], cwd=REPO, capture_output=True, text=True,
-                              env={**slurm, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}, timeout=240)
+        proc = slurm.run("sbatch", "--wait", "-N", "2", *how[1:], "-o", str(log), "--export",
+                         f"ALL,PYTHON={sys.executable},PYTHONUNBUFFERED=1", "scripts/slurm/train.sbatch", *argv,
+                         timeout=240)
         out = log.read_text() if log.exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + out
     losses = [[float(x) for x in re.findall(pattern, text)] for text in (out, _one_machine((*argv, *here)))]
@@ -202,9 +224,8 @@ PREEMPTED = ("--dim", "64", "--n_heads", "2", "--n_layers", "2", "--vocab_size",
              "--dropout", "0", "--seed", "4", "--threads", "1", "--steps", "60")
 
 
-def _squeue_state(slurm: dict, job: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=slurm, capture_output=True,
-                          text=True).stdout.strip()
+def _squeue_state(slurm: Cluster, job: str) -> str:
+    return slurm.run("squeue", "-h", "-j", job, "-o", "%T").stdout.strip()
 
 
 def test_a_requeued_job_resumes_exactly_where_sigterm_stopped_it(slurm, tmp_path):
@@ -216,25 +237,24 @@ def test_a_requeued_job_resumes_exactly_where_sigterm_stopped_it(slurm, tmp_path
                    str(reference), timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log, out = tmp_path / "losses.jsonl", tmp_path / "job.out"
-    job = subprocess.run(
-        ["sbatch", "--parsable", "--requeue", "--open-mode=append", "-N", "1", "--ntasks-per-node", "2",
-         "-o", str(out), "scripts/slurm/train.sbatch", "pipelining_transformer/main.py", *PREEMPTED,
-         "--checkpoint_dir", str(tmp_path / "ckpt"), "--resume", "--loss_log", str(log)],
-        cwd=REPO, env={**slurm, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}, capture_output=True,
-        text=True, check=True).stdout.strip()
+    job = slurm.run(
+        "sbatch", "--parsable", "--requeue", "--open-mode=append", "-N", "2", "--ntasks-per-node", "1",
+        "-o", str(out), "--export", f"ALL,PYTHON={sys.executable},PYTHONUNBUFFERED=1", "scripts/slurm/train.sbatch",
+        "pipelining_transformer/main.py", *PREEMPTED, "--checkpoint_dir", str(tmp_path / "ckpt"), "--resume",
+        "--loss_log", str(log), check=True).stdout.strip()
     try:
         deadline = time.monotonic() + 200
         while not (log.exists() and len(log.read_text().splitlines()) >= 5):
             assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
             time.sleep(0.1)
-        subprocess.run(["scontrol", "requeue", job], env=slurm, check=True)
+        slurm.run("scontrol", "requeue", job, check=True)
         while (state := _squeue_state(slurm, job)) not in ("", "COMPLETED", "FAILED"):
             assert time.monotonic() < deadline, f"{state}:\n{out.read_text()}"
             if state == "PENDING":  # a requeued job waits its BeginTime (2 minutes): now
-                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
+                slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
             time.sleep(0.5)
     finally:
-        subprocess.run(["scancel", job], env=slurm)
+        slurm.run("scancel", job)
     text = out.read_text()
     assert _squeue_state(slurm, job) in ("", "COMPLETED"), text
     stopped = [int(s) for s in re.findall(r"stopped by SIGTERM after step (\d+)", text)]
@@ -260,16 +280,16 @@ def _tasks(mark: str) -> dict[int, int]:
 
 @pytest.mark.parametrize("event", ["rank 1 killed", "rank 1 stopped", "scancel"])
 def test_a_lost_or_frozen_task_or_scancel_ends_the_whole_step(event, slurm, tmp_path):
-    """rpc_rnn under ``srun -n 2 --kill-on-bad-exit=1`` (as scripts/slurm/train.sbatch starts it):
-    rank 1 SIGKILLed (srun reports it and ends rank 0), or SIGSTOPped (rank 0's watchdog names it
-    within --hang_timeout, and srun ends the frozen task), or the job cancelled. Then nothing of the
-    job is left running."""
+    """rpc_rnn under ``srun -N 2 -n 2 --kill-on-bad-exit=1`` (as scripts/slurm/train.sbatch starts it):
+    rank 1, on the second node, SIGKILLed (srun reports it and ends rank 0 on the first), or SIGSTOPped
+    (rank 0's watchdog names it within --hang_timeout, and srun ends the frozen task), or the job
+    cancelled. Then nothing of the job is left running on either node."""
     mark, out = tmp_path.name, tmp_path / "out.txt"
     with out.open("w") as f:
         srun = subprocess.Popen(
-            ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "rpc_rnn/main.py", "--epochs", "100000",
-             "--hang_timeout", "5"], cwd=REPO, env={**slurm, "PYTHONUNBUFFERED": "1", "DISTKIT_TEST_MARK": mark},
-            stdout=f, stderr=subprocess.STDOUT)
+            [*slurm.login, "srun", "-N", "2", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "rpc_rnn/main.py",
+             "--epochs", "100000", "--hang_timeout", "5"], cwd=REPO,
+            env={**slurm.env, "PYTHONUNBUFFERED": "1", "DISTKIT_TEST_MARK": mark}, stdout=f, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while "Training epoch 2\t" not in out.read_text() or len(tasks := _tasks(mark)) < 2:
@@ -277,7 +297,7 @@ def test_a_lost_or_frozen_task_or_scancel_ends_the_whole_step(event, slurm, tmp_
             time.sleep(0.2)
         if event == "scancel":
             job = Path(f"/proc/{tasks[0]}/environ").read_bytes().split(b"SLURM_JOB_ID=")[1].split(b"\0")[0]
-            subprocess.run(["scancel", job.decode()], env=slurm, check=True)
+            slurm.run("scancel", job.decode(), check=True)
         else:
             os.kill(tasks[1], signal.SIGKILL if event == "rank 1 killed" else signal.SIGSTOP)
         start = time.monotonic()
