@@ -122,7 +122,11 @@ def test_the_sharded_versions_readme_commands_print_no_warning():
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", f"{example}/sharded.py"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": ""}) for example in ("ddp_rpc", "rpc_rnn")}
-    outs = {example: proc.communicate(timeout=240)[0] for example, proc in procs.items()}
+    try:
+        outs = {example: proc.communicate(timeout=240)[0] for example, proc in procs.items()}
+    finally:
+        for proc in procs.values():  # a run that hangs: this test fails, and leaves nothing running
+            proc.kill()
     for example, out in outs.items():
         assert procs[example].returncode == 0, out
         warnings = [line for line in out.splitlines() if re.search("warn", line, re.IGNORECASE)]
