@@ -136,7 +136,8 @@ SlurmdParameters=config_overrides
         if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:  # none running
             Path("/run/munge").mkdir(exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
-            daemons.append(subprocess.Popen(["su", "-s", "/bin/sh", "munge", "-c", "exec /usr/sbin/munged -F"]))
+            daemons.append(subprocess.Popen(["su", "-s", "/bin/sh", "munge", "-c", "exec /usr/sbin/munged -F"],
+                                            start_new_session=True))
             while subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:
                 time.sleep(0.2)
         for i, (node, name) in enumerate(zip(nodes, names)):
@@ -148,7 +149,7 @@ SlurmdParameters=config_overrides
                     ["nsenter", f"--net=/run/netns/{node.ns}", "unshare", *flags.split(), "sh", "-c",
                      f"mount --bind {d}/hosts /etc/hosts && hostname {name} && exec /usr/sbin/{daemon} -D -f {conf}"
                      + (f" -N {name}" if daemon == "slurmd" else "")],
-                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         cluster = Cluster(env, ["nsenter", f"--net=/run/netns/{nodes[0].ns}"])
         try:
             deadline = time.monotonic() + 60
@@ -159,8 +160,8 @@ SlurmdParameters=config_overrides
             yield cluster
         finally:
             cluster.run("scancel", "--user", getpass.getuser())
-            for p in daemons:
-                p.terminate()
+            for p in daemons:  # the whole session: `unshare --fork` ignores SIGTERM while its child runs
+                os.killpg(p.pid, signal.SIGTERM)
             for p in daemons:
                 try:
                     p.wait(timeout=30)
