@@ -96,18 +96,19 @@ def run_master(args: argparse.Namespace) -> dict:
     return report.finish(reports)
 
 
-def trainer_device_and_store(worker: distkit.Worker, args: argparse.Namespace) -> tuple[str, dist.Store]:
-    """A trainer's device (for ``_run_trainer``), backend, DDP store (tutorial: cuda(rank), gloo, :29500)."""
+def trainer_group(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """A trainer's device (for ``_run_trainer``) and its group's arguments: backend, rank, the trainers,
+    a DDP store (tutorial: cuda(rank), gloo, :29500)."""
     trainers = num_trainers(worker.world_size)
-    # trainers on several machines: all NCCL or all gloo, or one line saying who sees what
-    where = distkit.take_placement("trainers", worker.rank, trainers, placement(worker, args))
+    where = placement(worker, args)
     trainer.set_device(where.device)
     # under its own key prefix in the job's store: not on RPC's keys, not on a second hard-coded port
     store = distkit.job_store("trainers")
     # wait for all trainers (one may start late) under the store's timeout: the group's bounds its rendezvous
     store.set(f"started{worker.rank}", "1")
     store.wait([f"started{r}" for r in range(trainers)])
-    return where.backend, store
+    # trainers on several machines: all NCCL or all gloo, or one line saying who sees what
+    return distkit.process_group_args("trainers", worker.rank, trainers, where, store)
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
@@ -124,11 +125,9 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
                      rpc_backend_options=rpc_backend_options)
         result = run_master(args)
     elif worker.rank < trainers:
-        backend, store = trainer_device_and_store(worker, args)
         # Initialize process group for Distributed DataParallel on trainers. Its timeout bounds DDP's
         # allreduce: a trainer whose peer hangs fails after --rpc_timeout seconds, not 30 minutes.
-        dist.init_process_group(backend, store=store, rank=worker.rank, world_size=trainers,
-                                timeout=timedelta(seconds=args.rpc_timeout))
+        dist.init_process_group(**trainer_group(worker, args), timeout=timedelta(seconds=args.rpc_timeout))
 
         # Initialize RPC.
         trainer_name = f"trainer{worker.rank}"

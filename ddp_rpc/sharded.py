@@ -101,8 +101,8 @@ def train(model: ShardedHybridModel, rank: int, config: TrainConfig) -> TrainerR
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     """Every rank: join the group, build its share of the model, train; rank 0 returns the summary."""
     rank, world_size = worker.rank, worker.world_size
-    where = distkit.take_placement("ranks", rank, world_size, placement(worker, args))
-    dist.init_process_group(where.backend, store=distkit.process_group_store(), rank=rank, world_size=world_size)
+    where = placement(worker, args)
+    dist.init_process_group(**distkit.process_group_args("ranks", rank, world_size, where))
     mesh = init_device_mesh(where.device.type, (world_size,))
     config = TrainConfig(args.epochs, args.batches_per_epoch, args.batch_size, args.lr, args.seed)
     # the weights main.py draws with as many trainers: the table as its parameter server (rank N+1), fc

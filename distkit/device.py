@@ -1,5 +1,5 @@
 """Device, backend and thread choices that work unchanged on a laptop CPU and a GPU node: ``pick_device``
-for an RPC-only rank, ``group_placement`` and ``agree_on_backend`` for a process group's members."""
+for an RPC-only rank, ``group_placement`` and ``process_group_args`` for a process group's members."""
 from __future__ import annotations
 
 import logging
@@ -8,10 +8,12 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from .rendezvous import job_store, restart_key
+from .rendezvous import job_store, process_group_store, restart_key
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 NO_GPU = "--device cuda was asked for, but no CUDA device is visible on this machine"
@@ -90,12 +92,16 @@ def agree_on_backend(group: str, group_rank: int, group_size: int, placement: Pl
         raise DeviceError(problem)
 
 
-def take_placement(group: str, group_rank: int, group_size: int, placement: Placement) -> Placement:
-    """Before ``init_process_group``, on every member: ``agree_on_backend``, then set this rank's GPU."""
-    agree_on_backend(group, group_rank, group_size, placement)
+def process_group_args(group: str, rank: int, world_size: int, placement: Placement,
+                       store: dist.Store | None = None) -> dict[str, Any]:
+    """``dist.init_process_group``'s arguments: the one process-group start every example shares. On
+    every member: ``agree_on_backend``, this rank's GPU set, and the store (default
+    ``process_group_store()``: under torchrun, this restart's own)."""
+    agree_on_backend(group, rank, world_size, placement)
     if placement.device.type == "cuda":
         torch.cuda.set_device(placement.device)
-    return placement
+    return {"backend": placement.backend, "store": store or process_group_store(), "rank": rank,
+            "world_size": world_size}
 
 
 def backend_disagreement(seen: Sequence[Sequence[str]]) -> str | None:

@@ -57,10 +57,9 @@ def init_distributed(where: distkit.Placement, dp_size: int = 1) -> DistEnv:
     """Join the process group torchrun (or distkit) describes, on ``placement``'s ``where``."""
     rank = int(os.environ["RANK"])  # the tutorial used LOCAL_RANK: wrong beyond one machine
     world_size = int(os.environ["WORLD_SIZE"])
-    distkit.take_placement("pp", rank, world_size, where)  # one backend on every machine
-    # under torchrun, a store of this restart's own, not the one its killed predecessor left (distkit)
-    dist.init_process_group(backend=where.backend, store=distkit.process_group_store(),
-                            rank=rank, world_size=world_size)
+    # distkit: one backend on every machine, this rank's GPU, and under torchrun a store of this
+    # restart's own, not the one its killed predecessor left
+    dist.init_process_group(**distkit.process_group_args("pp", rank, world_size, where))
     # "a sub-group in the N-D parallel case": of a ("dp", "pp") mesh (dp.py), one pipeline by default
     mesh = dp.device_mesh(where.device, world_size, dp_size)
     pp_group = mesh["pp"].get_group()

@@ -76,9 +76,8 @@ def init_distributed(where: distkit.Placement) -> tuple[int, torch.device]:
     """Join the process group torchrun (or distkit) describes, on ``placement``'s ``where``; rank, device."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    distkit.take_placement("pp", rank, world_size, where)  # one backend on every machine
-    dist.init_process_group(backend=where.backend, store=distkit.process_group_store(),
-                            rank=rank, world_size=world_size)
+    # distkit: one backend on every machine, this rank's GPU, under torchrun this restart's store
+    dist.init_process_group(**distkit.process_group_args("pp", rank, world_size, where))
     return rank, where.device
 
 

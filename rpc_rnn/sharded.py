@@ -107,8 +107,8 @@ def run_trainer(model: ShardedRNNModel, args: argparse.Namespace, device: torch.
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     """Every rank: join the group, build its share of the model, train; each returns its losses."""
     rank, world_size = worker.rank, worker.world_size
-    where = distkit.take_placement("ranks", rank, world_size, placement(worker, args))
-    dist.init_process_group(where.backend, store=distkit.process_group_store(), rank=rank, world_size=world_size)
+    where = placement(worker, args)
+    dist.init_process_group(**distkit.process_group_args("ranks", rank, world_size, where))
     mesh = init_device_mesh(where.device.type, (world_size,))
     # the same seed on every rank: the same LSTM, and the same dropout masks wherever the ranks hold copies
     torch.manual_seed(args.seed)

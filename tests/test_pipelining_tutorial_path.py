@@ -40,10 +40,8 @@ ACCOUNTED: dict[str, tuple[str, str]] = {
     # init_distributed
     "rank = int(os.environ['RANK'])": (TUTORIAL, 'rank = int(os.environ["LOCAL_RANK"])'),
     "world_size = int(os.environ['WORLD_SIZE'])": (TUTORIAL, 'world_size = int(os.environ["WORLD_SIZE"])'),
-    "distkit.take_placement('pp', rank, world_size, where)":
-        (TUTORIAL, 'device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")'),
-    "dist.init_process_group(backend=where.backend, store=distkit.process_group_store(), rank=rank, "
-    "world_size=world_size)": (TUTORIAL, "dist.init_process_group()"),
+    "dist.init_process_group(**distkit.process_group_args('pp', rank, world_size, where))":
+        (TUTORIAL, "dist.init_process_group()"),
     "pp_group = mesh['pp'].get_group()": (TUTORIAL, "pp_group = dist.new_group()"),
     "return DistEnv(rank, world_size, where.device, pp_group, mesh, dp_size)":
         (DIFFERENCE, "The tutorial's globals are one `DistEnv` value"),
