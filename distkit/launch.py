@@ -12,6 +12,10 @@ Every example's ``main()`` writes the tutorial's launch itself::
 - the first failure's report (a device refused: exit 2): ``mp.spawn`` reports the first exit it sees;
 - Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running;
 - ``_watch_stopped``: ``mp.spawn`` gives a stopped rank 30 s to take a SIGTERM it cannot take.
+
+``launch`` is that launch as a function, for tests and benchmarks. After ``fork_from_server`` (the
+tests) it forks the ranks from a server that has imported torch once: spawn's fresh interpreter
+imports it again, about 3 CPU-seconds a rank and most of a small job's time.
 """
 from __future__ import annotations
 
@@ -43,6 +47,16 @@ from .worker import Worker, die_with_parent, exit_now, run_rank
 # be reaped, and mp.spawn blames the first exit it sees (seen in CI: ddp_rpc's parameter server)
 PEER_GRACE = 1.0
 STOPPED_POLL = 0.5  # seconds between the job's looks at its ranks' states
+_start_method = "spawn"  # launch's: mp.spawn's, as in every example's main(); see fork_from_server
+
+
+def fork_from_server(preload: list[str]) -> None:
+    """From now on ``launch`` starts each rank with ``mp.start_processes(..., start_method="forkserver")``:
+    forked from one server process that imported the modules ``preload`` when it started, and given
+    the launcher's environment of the moment. The examples' own launch (``mp.spawn``) is unchanged."""
+    global _start_method
+    multiprocessing.set_forkserver_preload(preload)
+    _start_method = "forkserver"
 
 
 def parse_ranks(spec: str | None, world_size: int) -> list[int]:
@@ -76,15 +90,19 @@ def _env_worker(args: argparse.Namespace) -> Worker:
 
 
 def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, ...], addr: str, port: int,
-             job_dir: str, index: int, args: argparse.Namespace) -> None:
+             job_dir: str, environ: dict[str, str] | None, index: int, args: argparse.Namespace) -> None:
     """``fn`` as ``mp.spawn`` calls it (``Job.wrap``): rank ``ranks[index]``, in torchrun's environment."""
-    # mp.spawn's SIGINT when the launcher dies waits for Python's next bytecode, never in a collective
-    die_with_parent(multiprocessing.parent_process().pid)
+    if environ is not None:  # forked from the server (fork_from_server): the launcher's environment now
+        os.environ.clear()
+        os.environ.update(environ)
+    # mp.spawn's SIGINT when the launcher dies waits for Python's next bytecode, never in a collective.
+    # Forked from the server, that server is the parent: it exits when the launcher does.
+    die_with_parent(None if environ is not None else multiprocessing.parent_process().pid)
     rank = ranks[index]
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world_size),
                       LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(len(ranks)),
                       TORCHELASTIC_USE_AGENT_STORE="True", **{TIMER_FILE: os.path.join(job_dir, "timer")})
-    Path(job_dir, f"{rank}.pid").write_text(str(os.getpid()))  # for _watch_stopped
+    Path(job_dir, f"{rank}.pid").write_text(f"{os.getpid()} {os.getppid()}")  # for _watch_stopped
     try:
         result = run_rank(fn, _env_worker(args), args, failure_file=os.path.join(job_dir, f"{rank}.failed"))
     except BaseException:
@@ -134,7 +152,8 @@ class Job:
 
     def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> functools.partial[None]:
         """``fn(worker, args)`` as ``mp.spawn``'s ``fn(i, args)``; fn must be module-level."""
-        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, str(self.dir))
+        environ = dict(os.environ) if _start_method == "forkserver" else None
+        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, str(self.dir), environ)
 
     def run(self, fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Namespace) -> None:
         """Under torchrun: run this process's rank (torchrun reports a failure itself)."""
@@ -179,10 +198,14 @@ class Job:
         stopped past its file timer (a rank stopped writing to the timer's FIFO blocks its server)."""
         polls: dict[int, int] = {}  # pid -> polls in a row found it stopped (a Ctrl+Z here counts none)
         while not self._done.wait(STOPPED_POLL):
-            pids = [int(text) for path in self.dir.glob("*.pid") if (text := path.read_text()).isdigit()]
-            states = {pid: _state(pid) for pid in pids}  # a .pid file not written yet is skipped
-            stopped = [pid for pid, (state, parent) in states.items()
-                       if state in ("T", "t") and parent == os.getpid()]
+            parents = {}  # pid -> its parent as it started (a .pid file half written is skipped)
+            for path in self.dir.glob("*.pid"):
+                pid, _, parent = path.read_text().partition(" ")
+                if pid.isdigit() and parent.isdigit():
+                    parents[int(pid)] = int(parent)
+            states = {pid: _state(pid) for pid in parents}
+            stopped = [pid for pid, (state, parent) in states.items()  # not a reused pid: its parent too
+                       if state in ("T", "t") and parent == parents[pid]]
             polls = {pid: polls.get(pid, 0) + 1 for pid in stopped}
             if any(state in ("Z", "X", None) for state, _ in states.values()):
                 for pid in stopped:
@@ -219,8 +242,8 @@ def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Names
     with Job(args) as job:
         if job.torchrun:
             job.run(fn, args)
-        else:
-            mp.spawn(job.wrap(fn), args=(args,), nprocs=job.nprocs, join=True)
+        else:  # mp.spawn(...) is mp.start_processes(..., start_method="spawn")
+            mp.start_processes(job.wrap(fn), args=(args,), nprocs=job.nprocs, join=True, start_method=_start_method)
     return job.results
 
 

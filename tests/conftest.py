@@ -29,10 +29,14 @@ HEADING = "## Where each tutorial step is"
 DIFFERS = "## What differs from the tutorial, and why"
 
 
+def gpu_tier(config: pytest.Config) -> bool:
+    return bool(re.search(r"(?<!not )\bcuda\b", config.getoption("markexpr") or ""))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # The CPU suite must behave the same on a GPU machine: it hides the GPUs (from this
     # process and every one it starts). The GPU tier, selected with `-m cuda`, sees them.
-    if not re.search(r"(?<!not )\bcuda\b", config.getoption("markexpr") or ""):
+    if not gpu_tier(config):
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 
@@ -378,6 +382,34 @@ def workers_round_differently():
         if narrower is not None:
             mp.setenv("ATEN_CPU_CAPABILITY", narrower)
         yield narrower
+
+
+# What the ranks of an in-process launch import: forked from a server that imported them once
+PRELOAD = ["torch", "torch.distributed.rpc", "torch.distributed.pipelining", "distkit", "ddp_rpc.main",
+           "ddp_rpc.sharded", "rpc_rl.main", "rpc_rnn.main", "rpc_rnn.sharded", "rpc_pipeline_resnet.main",
+           "rpc_pipeline_resnet.pipelining", "pipelining_transformer.main"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def ranks_forked_from_a_server(workers_round_differently, pytestconfig):
+    """``distkit.launch`` in this process forks its ranks from a server that imported ``PRELOAD``
+    once (``distkit.fork_from_server``): spawn's fresh interpreter imports torch and an example
+    again for every rank, about 3 CPU-seconds each. The server starts here, after
+    ``workers_round_differently`` set its variable. Every example run through its command line
+    (``run_cli``) still starts its ranks with ``mp.spawn``; the GPU tier (``-m cuda``) keeps
+    spawn for every launch (a server that touched CUDA could not fork)."""
+    import multiprocessing
+
+    import distkit
+
+    if gpu_tier(pytestconfig):
+        yield False
+        return
+    distkit.fork_from_server(PRELOAD)
+    process = multiprocessing.get_context("forkserver").Process(target=int)
+    process.start()
+    process.join()
+    yield True
 
 
 # Hosts without machines (tests/test_multihost.py, tests/test_slurm.py): network namespaces on a bridge.
