@@ -160,6 +160,25 @@ def test_launch_runs_every_rank_and_returns_results():
     assert all(r == {"sum": 6.0, "threads": 1, "world": 3} for r in out.values())
 
 
+def _whereabouts(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    return {"parent": os.getppid(), "variable": os.environ.get("DISTKIT_TEST_VARIABLE"),
+            "capability": torch.backends.cpu.get_cpu_capability()}
+
+
+@pytest.mark.fast
+def test_ranks_forked_from_the_server_see_the_launch_environment(ranks_forked_from_a_server,
+                                                                  workers_round_differently, monkeypatch):
+    """conftest's server holds: the ranks of ``distkit.launch`` here are its children, not this
+    process's, and still get this process's variables of the moment (a test's monkeypatch) and
+    the kernels ``workers_round_differently`` gives every process a test starts."""
+    monkeypatch.setenv("DISTKIT_TEST_VARIABLE", "set by this test")
+    out = distkit.launch(_whereabouts, launch_args("--world_size", "2", "--threads", "1"))
+    assert [r["variable"] for r in out.values()] == ["set by this test"] * 2
+    assert all((r["parent"] != os.getpid()) == ranks_forked_from_a_server for r in out.values())
+    if workers_round_differently is not None:
+        assert all(r["capability"] == workers_round_differently.upper() for r in out.values())
+
+
 def _failing_worker(worker: distkit.Worker, args: argparse.Namespace) -> None:
     with open(os.path.join(args.pid_dir, f"{worker.rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
