@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,8 @@ _start_method = "spawn"  # launch's: mp.spawn's, as in every example's main(); s
 def fork_from_server(preload: list[str]) -> None:
     """From now on ``launch`` starts each rank with ``mp.start_processes(..., start_method="forkserver")``:
     forked from one server process that imported the modules ``preload`` when it started, and given
-    the launcher's environment of the moment. The examples' own launch (``mp.spawn``) is unchanged."""
+    the launcher's environment and stdio of the moment. The examples' own launch (``mp.spawn``) is
+    unchanged."""
     global _start_method
     multiprocessing.set_forkserver_preload(preload)
     _start_method = "forkserver"
@@ -89,15 +91,28 @@ def _env_worker(args: argparse.Namespace) -> Worker:
                   env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0)), args.device)
 
 
+class _Surroundings:
+    """What a rank forked from the server (``fork_from_server``) takes from the launcher as it unpickles
+    this, as a spawned rank does: the environment and stdout/stderr of the moment, not the server's."""
+
+    def __reduce__(self) -> tuple:
+        return _adopt, (dict(os.environ), reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _adopt(environ: dict[str, str], out: Any, err: Any) -> bool:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.dup2(out.detach(), 1)
+    os.dup2(err.detach(), 2)
+    return True
+
+
 def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, ...], addr: str, port: int,
-             job_dir: str, environ: dict[str, str] | None, index: int, args: argparse.Namespace) -> None:
+             job_dir: str, forked: _Surroundings | bool, index: int, args: argparse.Namespace) -> None:
     """``fn`` as ``mp.spawn`` calls it (``Job.wrap``): rank ``ranks[index]``, in torchrun's environment."""
-    if environ is not None:  # forked from the server (fork_from_server): the launcher's environment now
-        os.environ.clear()
-        os.environ.update(environ)
     # mp.spawn's SIGINT when the launcher dies waits for Python's next bytecode, never in a collective.
     # Forked from the server, that server is the parent: it exits when the launcher does.
-    die_with_parent(None if environ is not None else multiprocessing.parent_process().pid)
+    die_with_parent(None if forked else multiprocessing.parent_process().pid)
     rank = ranks[index]
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world_size),
                       LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(len(ranks)),
@@ -152,8 +167,8 @@ class Job:
 
     def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> functools.partial[None]:
         """``fn(worker, args)`` as ``mp.spawn``'s ``fn(i, args)``; fn must be module-level."""
-        environ = dict(os.environ) if _start_method == "forkserver" else None
-        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, str(self.dir), environ)
+        forked = _Surroundings() if _start_method == "forkserver" else False
+        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, str(self.dir), forked)
 
     def run(self, fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Namespace) -> None:
         """Under torchrun: run this process's rank (torchrun reports a failure itself)."""

@@ -161,19 +161,23 @@ def test_launch_runs_every_rank_and_returns_results():
 
 
 def _whereabouts(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    print(f"rank {worker.rank} writes to the launcher's stdout", flush=True)
     return {"parent": os.getppid(), "variable": os.environ.get("DISTKIT_TEST_VARIABLE"),
             "capability": torch.backends.cpu.get_cpu_capability()}
 
 
 @pytest.mark.fast
 def test_ranks_forked_from_the_server_see_the_launch_environment(ranks_forked_from_a_server,
-                                                                  workers_round_differently, monkeypatch):
+                                                                  workers_round_differently, monkeypatch, capfd):
     """conftest's server holds: the ranks of ``distkit.launch`` here are its children, not this
-    process's, and still get this process's variables of the moment (a test's monkeypatch) and
-    the kernels ``workers_round_differently`` gives every process a test starts."""
+    process's, and still get this process's variables of the moment (a test's monkeypatch), its
+    stdout of the moment (``capfd``'s), and the kernels ``workers_round_differently`` gives every
+    process a test starts."""
     monkeypatch.setenv("DISTKIT_TEST_VARIABLE", "set by this test")
     out = distkit.launch(_whereabouts, launch_args("--world_size", "2", "--threads", "1"))
     assert [r["variable"] for r in out.values()] == ["set by this test"] * 2
+    printed = capfd.readouterr().out
+    assert all(f"rank {r} writes to the launcher's stdout" in printed for r in (0, 1)), printed
     assert all((r["parent"] != os.getpid()) == ranks_forked_from_a_server for r in out.values())
     if workers_round_differently is not None:
         assert all(r["capability"] == workers_round_differently.upper() for r in out.values())
