@@ -1,12 +1,7 @@
 """Benchmark ddp_rpc: iterations per second and the share of each iteration spent communicating.
 
-    python scripts/bench_ddp_rpc.py --quick                        # about a minute on 2 cores
-    python scripts/bench_ddp_rpc.py --plot docs/results/ddp_rpc.png   # 1 and 2 trainers, 3 batch sizes
-    python scripts/bench_ddp_rpc.py --versus      # main.py beside sharded.py: 2 and 4 ranks, 2 table sizes
-
-The example's ``run_worker`` unchanged, against one trainer's arithmetic alone in this process
-(same modules and batches, plain SGD): comm share is the rest, everything beyond a trainer's own
-arithmetic. On the CPU, so both sides use the same device. Columns: docs/ddp_rpc.md, "Benchmark".
+The example's ``run_worker`` unchanged, against one trainer's arithmetic alone in this process: comm
+share is the rest. On the CPU, so both sides use the same device. Usage, columns: docs/ddp_rpc.md, "Benchmark".
 """
 from __future__ import annotations
 
@@ -14,25 +9,20 @@ import argparse
 import functools
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.optim as optim
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import distkit  # noqa: E402
-from rpc_phases import PhaseClock, launch_timed, phase_seconds, plot, print_tables  # noqa: E402
-from rpc_phases import print_versus, rpc_round_trip, rpc_step_ms, step_ms, summarize, threads  # noqa: E402
-from rpc_phases import versus_row  # noqa: E402
-from benchlib import check_at_least, describe_machine, median  # noqa: E402
-import ddp_rpc.main as ddp_main  # noqa: E402
-from ddp_rpc import sharded, trainer  # noqa: E402
-from ddp_rpc.main import build_parser as ddp_parser, check_args as ddp_check, run_worker  # noqa: E402
-from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch  # noqa: E402
+from benchlib import bench_parser, check_at_least, describe_machine, example_args, median, parse
+import distkit
+from ddp_rpc import main as ddp_main, sharded, trainer
+from ddp_rpc.main import run_worker
+from ddp_rpc.trainer import EMBEDDING_DIM, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch
+from rpc_phases import (PhaseClock, launch_timed, phase_seconds, plot, print_tables, print_versus, rpc_round_trip,
+                        rpc_step_ms, step_ms, summarize, threads, versus_row)
 
 # --versus: the tutorial's table, and one whose updates make the parameter server the bottleneck
 TABLES = {"tiny": (100, 4), "default": (NUM_EMBEDDINGS, EMBEDDING_DIM), "large": (1_000_000, 64)}
@@ -93,11 +83,8 @@ def versus(parser: argparse.ArgumentParser, args: argparse.Namespace, iters: int
              "--seed", str(args.seed), "--device", "cpu", "--threads", "1"]
     runs = []  # every run's flags, checked by the examples' own check_args before anything runs
     for n in rank_counts:
-        rpc_args = ddp_parser().parse_args([*flags, "--world_size", str(n + 2)])
-        ddp_check(parser, rpc_args)
-        sharded_args = sharded.build_parser().parse_args([*flags, "--world_size", str(n)])
-        sharded.check_args(parser, sharded_args)
-        runs.append((n, rpc_args, sharded_args))
+        runs.append((n, example_args(parser, ddp_main, [*flags, "--world_size", str(n + 2)]),
+                     example_args(parser, sharded, [*flags, "--world_size", str(n)])))
     print(describe_machine(max(rank_counts) + 2, 1))
     rows = []
     for table in tables:
@@ -116,14 +103,11 @@ def versus(parser: argparse.ArgumentParser, args: argparse.Namespace, iters: int
             rows.append(versus_row(name, "DTensor (sharded.py)", n, sharded_ms, local, bound))
             # the ranks trained the table asked for (the master's summary, rank 0's)
             assert rpc_out[n]["emb_after"].shape == sharded_out[0]["emb_after"].shape == rows_dim
-    print_versus(rows, "every rank's batch through one table and fc, one SGD step")
-    assert all(math.isfinite(r[k]) for r in rows for k in ("ms/step", "1 process ms/step"))
-    return rows
+    return print_versus(rows, "every rank's batch through one table and fc, one SGD step")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
+    p = bench_parser(__doc__, "the time split per configuration")
     p.add_argument("--trainers", type=int, nargs="+", default=None,
                    help="trainers per run, plus a master and a parameter server (default 1 2; quick 2)")
     p.add_argument("--batch_sizes", type=int, nargs="+", default=None,
@@ -131,8 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 200; quick 50)")
     p.add_argument("--warmup", type=int, default=5, help="iterations dropped before timing")
     p.add_argument("--rtt_calls", type=int, default=200, help="timed no-op RPC round trips")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None, help="write the time split per configuration here (PNG)")
     p.add_argument("--versus", action="store_true",
                    help="time main.py beside sharded.py (--trainers: ranks of each, default 2 4; the first of "
                         "--batch_sizes, default 16; --tables)")
@@ -143,29 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    distkit.check_path(parser, "--plot", args.plot, "out_file")
+    args = parse(parser, argv)
     trainer_counts = args.trainers or ([2] if args.quick else [1, 2])
     batch_sizes = args.batch_sizes or ([16, 1024] if args.quick else [16, 256, 4096])
     iters = (50 if args.quick else 200) if args.iters is None else args.iters
     check_at_least(parser, 1, {"--trainers": trainer_counts, "--batch_sizes": batch_sizes,
                                "--iters": iters, "--warmup": args.warmup, "--rtt_calls": args.rtt_calls})
-    check_at_least(parser, 0, {"--seed": args.seed})
     if args.versus:  # fewer steps: a large table's take a second
         return versus(parser, args, args.iters or (10 if args.quick else 30))
     # every run's flags, checked by the example's own check_args before anything runs
     runs = []
     for trainers in trainer_counts:
         for batch in batch_sizes:
-            ddp_args = ddp_parser().parse_args([
+            runs.append((trainers, batch, example_args(parser, ddp_main, [
                 "--world_size", str(trainers + 2), "--epochs", "1",
                 "--batches_per_epoch", str(args.warmup + iters), "--batch_size", str(batch),
-                "--seed", str(args.seed), "--device", "cpu"])
-            ddp_check(parser, ddp_args)
-            runs.append((trainers, batch, ddp_args))
+                "--seed", str(args.seed), "--device", "cpu"])))
     print(describe_machine(max(trainer_counts) + 2))
     rtt = rpc_round_trip(args.rtt_calls)
-    print(f"# RPC round trip (median of {args.rtt_calls} no-op rpc_sync): {rtt * 1e3:.3f} ms")
     print("# local: one trainer's batches through the same EmbeddingBag + Linear in one process,"
           " no RPC, no DDP\n")
 
@@ -176,8 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         config = TrainConfig(1, args.warmup + iters, batch, ddp_args.lr, args.seed)
         with threads(distkit.threads_per_process(trainers + 2)):
             local = time_local(config, args.warmup)
-        row = summarize(f"{trainers}x{batch}", dist, local, rtt)
-        row["comm share"] = row.pop("rpc share")
+        row = summarize(f"{trainers}x{batch}", dist, local, rtt, share="comm share")
         rows.append({**row, "trainers": trainers, "batch": batch,
                      "samples/s": round(trainers * batch * row["it/s"]),
                      "local samples/s": round(batch * row["local it/s"])})

@@ -1,13 +1,9 @@
 """Benchmark pipelining_transformer: step time, tokens/s, memory and bubble per schedule and m.
 
-    python scripts/bench_pipelining_transformer.py --quick                 # about a minute on 2 cores
-    python scripts/bench_pipelining_transformer.py --plot results/pipelining_transformer.png
-    python scripts/bench_pipelining_transformer.py --sweep --stage_layers even 5,3 auto --plot docs/results/pipelining_transformer_sweep.png
-
 The example's ``run_worker`` unchanged, beside one process with the whole model and as many
 threads. Bubble = 1 - compute (stagetrace.py's spans) / schedule time, beside the ideal
 (pipeline_plan.py). --sweep: over work per micro-batch, against one process and p m / (m + p - 1).
-Every column: docs/pipelining_transformer.md#benchmark.
+Usage, every column: docs/pipelining_transformer.md#benchmark.
 """
 from __future__ import annotations
 
@@ -15,73 +11,57 @@ import argparse
 import functools
 import math
 import resource
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import astuple
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import distkit  # noqa: E402
-import pipelining_transformer.main as example  # noqa: E402
-from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
-from distkit.schedules import SCHEDULES, gloo_problem, num_stages_for, schedule_problem  # noqa: E402
-from pipelining_transformer.cli import layer_count  # noqa: E402
-from pipelining_transformer.main import PipelineRank  # noqa: E402
-from pipelining_transformer.model import (  # noqa: E402
-    Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn)
-from pipeline_plan import ideal_bubble  # noqa: E402
-import stagetrace  # noqa: E402
-from stagetrace import COMPUTE, Recorder  # noqa: E402
+from benchlib import (bench_parser, check_at_least, describe_machine, example_args, format_table, median, parse,
+                      save_plot)
+import distkit
+import pipelining_transformer.main as example
+from distkit.schedules import SCHEDULES, gloo_problem, num_stages_for, schedule_problem
+from pipelining_transformer.cli import layer_count
+from pipelining_transformer.main import PipelineRank
+from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
+from pipeline_plan import plan
+import stagetrace
 
 HEADER = ["schedule", "split", "m", "step ms", "tokens/s", "local step ms", "local tokens/s", "speed-up",
           "1-thread step ms", "balance", "bubble", "ideal bubble", "peak MB/rank", "local peak MB"]
 QUICK_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B"]
 
 
-class Clocks:
-    """Per-step timings of one rank: step ends, schedule seconds, compute seconds."""
-
-    def __init__(self, rank: int) -> None:
-        self.step_ends: list[float] = []
-        self.schedule: list[float] = []
-        self.compute: list[float] = []
-        self.spans: list[list[tuple]] = []  # each step's spans, for the tests
-        self.recorder = Recorder(rank)
-
-    def install(self) -> None:
-        def timed(fn, on_done):
-            @functools.wraps(fn)
-            def wrapper(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    on_done(start, time.perf_counter())
-            return wrapper
-
-        def end_schedule(a: float, b: float) -> None:
-            self.schedule.append(b - a)
-            spans, self.recorder.spans = self.recorder.spans, []
-            self.compute.append(sum(s.end - s.start for s in spans if s.kind in COMPUTE))
-            self.spans.append([astuple(s) for s in spans])
-            stagetrace.end_step()
-
-        stagetrace.record_into(self.recorder)
-        PipelineRank.forward_backward = timed(PipelineRank.forward_backward, end_schedule)
-        PipelineRank.optimizer_step = timed(PipelineRank.optimizer_step,
-                                            lambda a, b: self.step_ends.append(b))
+def timed(fn: Callable, on_done: Callable[[float, float], None]) -> Callable:
+    """``fn``, each call's start and end (perf_counter) handed to ``on_done``."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            on_done(start, time.perf_counter())
+    return wrapper
 
 
 def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """Every rank: the example's ``run_worker`` with its clocks on."""
-    clocks = Clocks(worker.rank)
-    clocks.install()
-    result = example.run_worker(worker, args)
+    """Every rank: the example's ``run_worker`` with its clocks on: step ends, schedule and compute seconds."""
+    recorder = stagetrace.Recorder(worker.rank)
+    clocks: dict[str, list] = {"step_ends": [], "schedule": [], "compute": [], "spans": []}  # spans: for the tests
+
+    def end_schedule(a: float, b: float) -> None:
+        clocks["schedule"].append(b - a)
+        spans, recorder.spans = recorder.spans, []
+        clocks["compute"].append(sum(s.end - s.start for s in spans if s.kind in stagetrace.COMPUTE))
+        clocks["spans"].append([astuple(s) for s in spans])
+        stagetrace.end_step()
+
+    stagetrace.record_into(recorder)
+    PipelineRank.forward_backward = timed(PipelineRank.forward_backward, end_schedule)
+    PipelineRank.optimizer_step = timed(PipelineRank.optimizer_step, lambda a, b: clocks["step_ends"].append(b))
     # the result's "stage_layers": the split the run used (auto: as chosen)
-    return {**result, "step_ends": clocks.step_ends, "schedule": clocks.schedule,
-            "compute": clocks.compute, "spans": clocks.spans}
+    return {**example.run_worker(worker, args), **clocks}
 
 
 def local_worker(worker: distkit.Worker, args: argparse.Namespace, m: int = 1) -> dict:
@@ -104,22 +84,15 @@ def local_worker(worker: distkit.Worker, args: argparse.Namespace, m: int = 1) -
             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def sequential_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """One process, one thread: the m micro-batches one after another, then one step."""
-    return local_worker(worker, args, args.n_microbatches)
-
-
 def limiting_factors(ranks: dict[int, dict], warmup: int, m: int, sequential_s: float) -> dict:
-    """The slowest rank's ``forward_backward`` seconds T against its bound: with the ranks' own
-    compute C (busiest c), T >= c + (C - c) / m, so efficiency = C (m + p - 1) / (p m T) <= 1, =
-    balance x overlap (c (m + p - 1) / (m T)). "compute" (sequential seconds / C) stays out: that
-    reference varies by several % between runs (it once read 101 %)."""
+    """Efficiency = balance x overlap (docs/pipelining_transformer.md); "compute" (sequential seconds / the
+    ranks' compute) stays out of it: that reference varies by several % between runs (it once read 101 %)."""
     p = len(ranks)
     schedule = median([max(steps) for steps in zip(*(r["schedule"][warmup:] for r in ranks.values()))])
     compute = rank_compute(ranks, warmup)
     factors = {"balance": balance(compute),
                "overlap": max(compute) * (m + p - 1) / m / schedule}
-    return {**factors, "binds": min(factors, key=factors.get), "schedule s": schedule,
+    return {**factors, "binds": min(factors, key=factors.get), "schedule ms": 1e3 * schedule,
             "compute": sequential_s / sum(compute),
             "efficiency": sum(compute) * (m + p - 1) / (p * m * schedule)}
 
@@ -152,7 +125,7 @@ def summarize(schedule: str, m: int, world_size: int, tokens: int, warmup: int,
             "1-thread step ms": 1e3 * median(step_seconds(local1["step_ends"], warmup)),
             "bubble": sum(bubbles) / len(bubbles),
             "balance": balance(compute),
-            "ideal bubble": ideal_bubble(schedule, world_size, m),
+            "ideal bubble": plan(schedule, world_size, m).bubble,
             "peak MB/rank": " / ".join(f"{p:.0f}" for p in peaks), "peak MB": max(peaks),
             "local peak MB": local["peak_mb"]}
 
@@ -164,10 +137,8 @@ def plot(path: str | None, rows: list[dict]) -> None:
             line, = ax.plot([r["m"] for r in rs], [r["bubble"] for r in rs], "o-", label=f"{schedule}, {split}")
             ax.plot([r["m"] for r in rs], [r["ideal bubble"] for r in rs], ":", color=line.get_color())
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("micro-batches m")
-        ax.set_ylabel("bubble (share of the schedule spent waiting)")
-        ax.set_ylim(bottom=0)
-        ax.set_title("pipelining_transformer: measured bubble (solid) vs ideal (dotted)")
+        ax.set(xlabel="micro-batches m", ylabel="bubble (share of the schedule spent waiting)", ylim=(0, None),
+               title="pipelining_transformer: measured bubble (solid) vs ideal (dotted)")
         ax.legend(fontsize=8)
 
     save_plot(path, draw)
@@ -200,10 +171,8 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
         exs = []
         for label, flags in splits(args):
             for schedule in schedules:
-                ex = example.build_parser().parse_args([*common, *flags, "--world_size", str(p),
-                                                        "--schedule", schedule])
-                example.check_args(parser, ex)  # its one-line errors, before anything runs
-                exs.append((label, ex))
+                exs.append((label, example_args(parser, example, [*common, *flags, "--world_size", str(p),
+                                                                  "--schedule", schedule])))
         local = example.build_parser().parse_args([*common, "--world_size", "1", "--threads", str(threads * p)])
         jobs.append((batch, seq, exs, local))
     print(describe_machine(p, threads))
@@ -216,26 +185,22 @@ def sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, model: tupl
     rows = []
     for batch, seq, exs, local_args in jobs:
         local = distkit.launch(local_worker, local_args)[0]
-        sequential = distkit.launch(sequential_worker,
+        sequential = distkit.launch(functools.partial(local_worker, m=m),
                                     argparse.Namespace(**{**vars(local_args), "threads": 1}))[0]
-        local_s = median(step_seconds(local["step_ends"], args.warmup))
         seq_fb = median(sequential["forward_backward"][args.warmup:])
         for label, ex in exs:
             if not args.steps:  # small points are cheap and noisy: time at least ~6 s of steps
                 ex.steps = min(12, max(3, args.warmup + math.ceil(6 / (seq_fb / p))))
             ranks = distkit.launch(pipeline_worker, ex)
             row = summarize(ex.schedule, m, p, batch * seq, args.warmup, ranks, local, local)
-            limits = limiting_factors(ranks, args.warmup, m, seq_fb)
             rows.append({**{k: row[k] for k in ("schedule", "m", "step ms", "tokens/s", "local step ms",
                                                 "speed-up", "bubble", "ideal bubble", "peak MB/rank",
                                                 "peak MB")},
                          "split": split_label(label, ranks), "split flag": label,
                          "batch": f"{batch}x{seq}", "tokens/mb": batch * seq // m,
-                         "schedule ms": 1e3 * limits["schedule s"], "sequential ms": 1e3 * seq_fb,
-                         "bound": bound,
-                         **{k: limits[k] for k in ("efficiency", "balance", "overlap", "binds", "compute")},
-                         "bubble/ideal": row["bubble"] / row["ideal bubble"],
-                         "local s": local_s})
+                         "sequential ms": 1e3 * seq_fb, "bound": bound,
+                         **limiting_factors(ranks, args.warmup, m, seq_fb),
+                         "bubble/ideal": row["bubble"] / row["ideal bubble"]})
     print(format_table(SWEEP_HEADER, rows))
     for r in rows:
         if r["efficiency"] > 1:
@@ -287,8 +252,7 @@ def plot_sweep(path: str | None, rows: list[dict]) -> None:
         a.set_ylabel("speed-up over one process, whole batch, all cores")
         b.axhline(90, color="0.5", ls=":", label="target 90 %")
         b.axhline(100, color="k", lw=0.8, label=f"bound p m/(m+p-1) = {rows[0]['bound']:.2f}x")
-        b.set_ylabel("efficiency: speed-up over sequential / bound (%)")
-        b.set_ylim(0, 110)
+        b.set(ylabel="efficiency: speed-up over sequential / bound (%)", ylim=(0, 110))
         for ax in (a, b):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("work per micro-batch (tokens)")
@@ -304,14 +268,8 @@ def splits(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     specs = args.stage_layers or ["even"]
     if all(_is_number(t) for t in specs):  # --stage_layers 5 3: the example's own form
         specs = [",".join(specs)]
-    out = []
-    for spec in specs:
-        if spec == "even":
-            out.append(("even", []))
-        else:
-            counts = spec.split(",")
-            out.append((spec.replace(",", " "), ["--stage_layers", *counts]))
-    return out
+    return [("even", []) if spec == "even" else (spec.replace(",", " "), ["--stage_layers", *spec.split(",")])
+            for spec in specs]
 
 
 def _is_number(text: str) -> bool:
@@ -352,8 +310,7 @@ def point(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
+    p = bench_parser(__doc__, "measured vs ideal bubble (or the sweep)")
     p.add_argument("--schedules", nargs="+", type=example.schedule_name, default=None, metavar="NAME",
                    help=f"default: all ({', '.join(SCHEDULES)}); quick: {' '.join(QUICK_SCHEDULES)}")
     p.add_argument("--microbatches", type=int, nargs="+", default=None, metavar="M",
@@ -365,12 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq_len", type=int, default=16)
     p.add_argument("--model", nargs=4, type=int, default=None, metavar=("DIM", "LAYERS", "HEADS", "VOCAB"),
                    help="model sizes (default: the tutorial's 512 8 8 10000; quick 256 8 8 10000)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage_layers", nargs="+", type=split_spec, default=None, metavar="SPLIT",
                    help="the splits to run side by side: even, auto (balance.py), or counts per "
                         "stage joined by commas (5,3 or 4.5,3.5); '--stage_layers 5 3' alone is "
                         "the example's form, one split (default: even)")
-    p.add_argument("--plot", default=None, help="write measured vs ideal bubble (or the sweep) here (PNG)")
     p.add_argument("--sweep", action="store_true",
                    help="speed-up and efficiency against work per micro-batch (GPipe, 1F1B; m = 8)")
     p.add_argument("--points", nargs="+", type=point, default=None, metavar="BATCHxSEQ",
@@ -381,8 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    distkit.check_path(parser, "--plot", args.plot, "out_file")
+    args = parse(parser, argv)
     schedules = args.schedules or (QUICK_SCHEDULES if args.quick else list(SCHEDULES))
     microbatches = args.microbatches or ([2, 4] if args.quick else [2, 4, 8])
     steps = args.steps if args.steps is not None else (4 if args.quick else 8)
@@ -390,7 +344,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     check_at_least(parser, 1, {"--microbatches": microbatches, "--world_size": args.world_size,
                                "--steps": steps, "--warmup": args.warmup, "--batch_size": args.batch_size,
                                "--seq_len": args.seq_len, "--model": args.model})
-    check_at_least(parser, 0, {"--seed": args.seed})
     if steps < args.warmup + 2:
         parser.error("--warmup must be at least 1 and --steps at least --warmup + 2")
     if args.points and not args.sweep:
@@ -418,10 +371,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if problem and len(schedules) * len(microbatches) > 1:
                     skipped.append((label, schedule, m, problem))
                     continue  # e.g. DualPipeV with fewer micro-batches than stages
-                ex = example.build_parser().parse_args(
-                    [*common, *flags, "--world_size", str(args.world_size), "--schedule", schedule,
-                     "--n_microbatches", str(m)])
-                example.check_args(parser, ex)  # its one-line errors, before anything runs
+                ex = example_args(parser, example, [*common, *flags, "--world_size", str(args.world_size),
+                                                    "--schedule", schedule, "--n_microbatches", str(m)])
                 jobs.append((label, schedule, m, ex))
     # a named split, schedule or m that runs nowhere is a mistake, not a skip (issue 29)
     named = [("--stage_layers", 0, [label for label, _ in splits(args)] if args.stage_layers else [])]

@@ -1,12 +1,8 @@
 """Benchmark rpc_pipeline_resnet's two engines: where pipelining pays, against true bounds.
 
-    python scripts/bench_rpc_pipeline_resnet.py --quick                       # seconds: a smoke run
-    python scripts/bench_rpc_pipeline_resnet.py --plot docs/results/rpc_pipeline_resnet.png
-                                    # both engines, GPipe and 1F1B: about 15 min on 2 cores
-
 Engines: ``rpc`` (main.py, 3 processes) and ``pipelining`` (pipelining.py, 2 ranks, per
 schedule). Same seed everywhere, and every process keeps its freed memory (``steady_malloc``),
-so no measurement depends on what ran before it. Columns: docs/rpc_pipeline_resnet.md#benchmark.
+so no measurement depends on what ran before it. Usage, columns: docs/rpc_pipeline_resnet.md#benchmark.
 """
 from __future__ import annotations
 
@@ -16,22 +12,22 @@ import functools
 import importlib
 import math
 import os
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn as nn
 import torch.optim as optim
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import distkit  # noqa: E402
-import rpc_pipeline_resnet.pipelining as pp_example  # noqa: E402
-from benchlib import check_at_least, describe_machine, format_table, median, save_plot  # noqa: E402
-from distkit.schedules import schedule_problem  # noqa: E402
-from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2  # noqa: E402
-from resnet_meters import Meter, StageMeter, classic_bound, cores, steady_malloc  # noqa: E402
+from benchlib import (bench_parser, check_at_least, describe_machine, example_args, format_table, median, parse,
+                      save_plot)
+import distkit
+import rpc_pipeline_resnet.pipelining as pp_example
+from distkit.schedules import schedule_problem
+from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2
+from resnet_meters import Meter, StageMeter, steady_malloc
 
 HEADER = ["engine", "procs", "image", "m", "GFLOP/mb", "s/batch", "floor", "x 1 split", "bound 1",
           "eff.", "model", "vs rpc", "user s", "x user", "bound", "seq s", "x seq", "bound ",
@@ -42,11 +38,11 @@ ENGINES = {"rpc": ("rpc_pipeline_resnet.main", "run_master"),
            "pipelining": ("rpc_pipeline_resnet.pipelining", "run_pipeline")}
 
 
+@dataclass
 class Here:
     """Stands in for an RRef in one process: the shards' forward calls ``to_here()``."""
 
-    def __init__(self, value: torch.Tensor) -> None:
-        self.value = value
+    value: torch.Tensor
 
     def to_here(self) -> torch.Tensor:
         return self.value
@@ -96,21 +92,6 @@ def gflop_per_image(size: int, num_classes: int) -> float:
     return 3 * sum(flops) / 2 / 1e9
 
 
-@contextlib.contextmanager
-def env_var(name: str, value: str | None) -> Iterator[None]:
-    """``name=value`` in this process's environment inside (None: leave it as it is)."""
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if value is not None and old is None:
-            del os.environ[name]
-        elif value is not None:
-            os.environ[name] = old
-
-
 def bench_worker(engine: str, configs: list[tuple[int, int]], worker: distkit.Worker,
                  args: argparse.Namespace) -> list[dict]:
     """Every rank: the engine's ``run_worker``, run i on configuration i, our meter in ``on_batch``."""
@@ -144,7 +125,7 @@ def summarize(jobs: list[tuple[str, int, list, list]], refs: dict, users: dict, 
               args: argparse.Namespace) -> list[dict]:
     """One row per (job, configuration); ``jobs``: (engine label, processes, configs, runs)."""
     rows = []
-    n_cores = len(cores())
+    n_cores = distkit.threads_per_process(1)  # the cores this process may run on
     times = {(label, c): median(run["batch_times"]) for label, _, cfgs, runs in jobs
              for c, run in zip(cfgs, runs)}
     for label, procs, cfgs, runs in jobs:
@@ -156,26 +137,24 @@ def summarize(jobs: list[tuple[str, int, list, list]], refs: dict, users: dict, 
             # 1F1B cannot run one micro-batch: its base is GPipe's (one micro-batch, the same order)
             base = times.get((label.replace("1F1B", "GPipe"), (size, 1)))
             rpc = times.get(("rpc", (size, m)))
+            shard_cpu = [c / args.num_batches for c in run["cpu_times"][-2:]]
             row = {"engine": label, "procs": procs, "image": size, "m": m,
                    "GFLOP/mb": gflops[size] * math.ceil(args.batch_size / m), "s/batch": t,
                    "floor": floor, "user s": user, "x user": user / t, "bound": user / floor,
                    "seq s": ref["wall"], "x seq": ref["wall"] / t, "bound ": ref["wall"] / floor,
-                   "2m/(m+1)": classic_bound(m), "eff.": floor / t, "busy": w / t,
+                   "2m/(m+1)": 2 * m / (m + 1), "eff.": floor / t, "busy": w / t,
                    "work": w / ref["cpu"], "losses": run["losses"],
-                   "CPU s/shard": "/".join(f"{c / args.num_batches:.2f}" for c in run["cpu_times"][-2:]),
-                   "peak MB": "/".join(f"{p:.0f}" for p in run["peak_mb"])}
-            # two one-core stages, shard CPU seconds A <= B: B plus one micro-batch of A (fill, drain)
-            row["shard cpu"] = [c / args.num_batches for c in run["cpu_times"][-2:]]
-            a, b = sorted(row["shard cpu"])
-            row["model"] = floor / (b + a / m)
+                   "CPU s/shard": "/".join(f"{c:.2f}" for c in shard_cpu), "shard cpu": shard_cpu,
+                   "peak MB": "/".join(f"{p:.0f}" for p in run["peak_mb"]),
+                   # two one-core stages, shard CPU seconds A <= B: B plus one micro-batch of A (fill, drain)
+                   "model": floor / (max(shard_cpu) + min(shard_cpu) / m)}
             if base is not None:
                 row["x 1 split"], row["bound 1"] = base / t, base / floor
             if rpc is not None and label != "rpc":
                 row["vs rpc"] = rpc / t
-            flags = [f"ERROR: {k} above its bound" for k, b in
-                     (("x user", "bound"), ("x seq", "bound "), ("x 1 split", "bound 1"))
-                     if k in row and row[k] > row[b]]
-            row["flag"] = " ".join(flags)
+            row["flag"] = " ".join(f"ERROR: {k} above its bound" for k, b in
+                                   (("x user", "bound"), ("x seq", "bound "), ("x 1 split", "bound 1"))
+                                   if k in row and row[k] > row[b])
             rows.append(row)
     return rows
 
@@ -200,10 +179,8 @@ def plot(path: str | None, rows: list[dict], sweep_m: int, table_size: int) -> N
     def draw(axes):
         import matplotlib.pyplot as plt
         ax1, ax2, ax3 = axes
-        engines = list(dict.fromkeys(r["engine"] for r in rows))
-        colors = {engine: plt.get_cmap("tab10")(i) for i, engine in enumerate(engines)}
-        for engine in engines:
-            c = colors[engine]
+        for i, engine in enumerate(dict.fromkeys(r["engine"] for r in rows)):
+            c = plt.get_cmap("tab10")(i)
             sweep = sorted((r for r in rows if r["engine"] == engine and r["m"] == sweep_m),
                            key=lambda r: r["GFLOP/mb"])
             ax1.plot([r["GFLOP/mb"] for r in sweep], [100 * r["eff."] for r in sweep], "o-", color=c,
@@ -211,29 +188,24 @@ def plot(path: str | None, rows: list[dict], sweep_m: int, table_size: int) -> N
             for r in sweep:
                 ax1.annotate(f"{r['image']}px", (r["GFLOP/mb"], 100 * r["eff."]), textcoords="offset points",
                              xytext=(0, 6), ha="center", fontsize=6, color=c)
-            table = sorted((r for r in rows if r["engine"] == engine and r["image"] == table_size
-                            and "x 1 split" in r), key=lambda r: r["m"])
+            every = sorted((r for r in rows if r["engine"] == engine and r["image"] == table_size),
+                           key=lambda r: r["m"])
+            table = [r for r in every if "x 1 split" in r]
             ms = [r["m"] for r in table]
             ax2.plot(ms, [r["x 1 split"] for r in table], "o-", color=c, label=f"{engine}: speed-up")
             ax2.plot(ms, [r["bound 1"] for r in table], "s--", color=c, alpha=0.6,
                      label=f"{engine}: its bound")
-            every = sorted((r for r in rows if r["engine"] == engine and r["image"] == table_size),
-                           key=lambda r: r["m"])
             ax3.plot([r["m"] for r in every], [r["s/batch"] for r in every], "o-", color=c, label=engine)
         ax1.axhline(90, color="tab:red", ls=":", label="target 90 %")
-        ax1.set_ylim(0, 105)
-        ax1.set_xscale("log")
-        ax1.set_xlabel("work per micro-batch (GFLOP, forward + backward)")
-        ax1.set_ylabel("% of the machine's bound (floor / s per batch)")
+        ax1.set(ylim=(0, 105), xscale="log", xlabel="work per micro-batch (GFLOP, forward + backward)",
+                ylabel="% of the machine's bound (floor / s per batch)")
         ax1.set_title(f"{sweep_m} micro-batches: share of the bound reached", fontsize=9)
         for ax in (ax2, ax3):
             ax.set_xscale("log", base=2)
             ax.set_xlabel(f"micro-batches ({table_size}x{table_size} images)")
-        ax2.set_ylim(bottom=0)
-        ax2.set_ylabel("speed-up over 1 split")
+        ax2.set(ylim=(0, None), ylabel="speed-up over 1 split")
         ax2.set_title("speed-up over 1 split beside its bound (1-split s / floor)", fontsize=9)
-        ax3.set_ylim(bottom=0)
-        ax3.set_ylabel("seconds per batch")
+        ax3.set(ylim=(0, None), ylabel="seconds per batch")
         ax3.set_title("seconds per batch, both engines", fontsize=9)
         for ax in (ax1, ax2, ax3):
             ax.legend(fontsize=7)
@@ -244,8 +216,7 @@ def plot(path: str | None, rows: list[dict], sweep_m: int, table_size: int) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a tiny smoke run (the test suite's)")
+    p = bench_parser(__doc__, "the sweep and the split table", quick="a tiny smoke run (the test suite's)")
     p.add_argument("--sizes", type=int, nargs="+", default=None, metavar="PX",
                    help="image sizes of the sweep (default 32 64 96 128 160; quick 32 40)")
     p.add_argument("--sweep_splits", type=int, default=None,
@@ -269,16 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="intra-op threads per pipelining rank, one job per value (default 1 2; "
                         "quick 1); above 1 the job runs with OMP_WAIT_POLICY=PASSIVE, so a rank "
                         "waiting for its neighbour leaves its core to it instead of spinning")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None, help="write the sweep and the split table here (PNG)")
     return p
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    distkit.check_path(parser, "--plot", args.plot, "out_file")
-
+    args = parse(parser, argv)
     for flag, quick, full in (("sizes", [32, 40], [32, 64, 96, 128, 160]), ("sweep_splits", 2, 8),
                               ("splits", [1, 2], [1, 2, 4, 8]), ("table_size", 40, 128),
                               ("batch_size", 4, 16), ("num_batches", 1, 3), ("reps", 1, 3),
@@ -289,7 +256,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     check_at_least(parser, 1, {f"--{flag}": getattr(args, flag) for flag in (
         "sizes", "sweep_splits", "table_size", "batch_size", "num_batches", "reps", "num_classes",
         "user_threads", "pp_threads")})
-    check_at_least(parser, 0, {"--seed": args.seed})
     # smallest images first: a row's peak memory is its own unless a smaller one needed more
     configs = sorted({(s, args.sweep_splits) for s in args.sizes}
                      | {(args.table_size, m) for m in args.splits})
@@ -314,16 +280,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for label, engine, procs, extra, cfgs in plans:
         module = importlib.import_module(ENGINES[engine][0])
         for size, m in cfgs:
-            module.check_args(parser, module.build_parser().parse_args(
-                [*base, *extra, "--image_size", str(size), "--splits", str(m)]))
-        job_args = module.build_parser().parse_args([*base, *extra, "--splits", str(cfgs[0][1])])
-        module.check_args(parser, job_args)
+            example_args(parser, module, [*base, *extra, "--image_size", str(size), "--splits", str(m)])
+        job_args = example_args(parser, module, [*base, *extra, "--splits", str(cfgs[0][1])])
         job_args.splits = [m for _, m in cfgs]  # run i of the job is cfgs[i]
         jobs.append((label, engine, procs, cfgs, job_args))
 
     steady_malloc()  # the references too keep their memory: see resnet_meters.py
-    n_cores = len(cores())
-    user_threads = args.user_threads or n_cores
+    user_threads = args.user_threads or distkit.threads_per_process(1)  # all cores
     print(describe_machine(3, distkit.threads_per_process(2)))
     print(f"# engines: {', '.join(f'{label} ({procs} processes)' for label, _, procs, _, _ in jobs)}; "
           f"references: 1 process with 1 thread (seq) and with {user_threads} threads (user); "
@@ -342,7 +305,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # several threads per rank: passive OpenMP waits (read as torch loads, so set before the
         # spawn), or a waiting rank's threads spin on the shared cores
         passive = job_args.threads is not None and job_args.threads > 1
-        with env_var("OMP_WAIT_POLICY", "PASSIVE" if passive else None):
+        with mock.patch.dict(os.environ, {"OMP_WAIT_POLICY": "PASSIVE"} if passive else {}):
             runs = distkit.launch(functools.partial(bench_worker, engine, cfgs), job_args)[0]
         done.append((label, procs, cfgs, runs))
     rows = summarize(done, refs, users, gflops, args)

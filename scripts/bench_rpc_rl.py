@@ -1,23 +1,19 @@
 """Benchmark rpc_rl: RPC round trip, environment steps/s (tutorial vs --batch), episodes to solve.
 
-    python scripts/bench_rpc_rl.py --quick                      # about a minute on 2 cores
-    python scripts/bench_rpc_rl.py --plot results/rpc_rl.png    # full: solves at 475, several sizes
-
 The tutorial's observer makes two RPCs per environment step, so it steps at most 1 / (2 x
 round trip) times a second (--batch: one RPC); the table puts each rate beside that bound.
+Usage: docs/rpc_rl.md.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import distkit  # noqa: E402
-from benchlib import check_at_least, describe_machine, format_table, save_plot  # noqa: E402
-from rpc_phases import rpc_round_trip  # noqa: E402
-from rpc_rl.main import build_parser as rl_parser, check_args as rl_check, run_worker  # noqa: E402
+from benchlib import bench_parser, check_at_least, describe_machine, example_args, format_table, parse, save_plot
+import distkit
+import rpc_rl.main as rl_main
+from rpc_phases import rpc_round_trip
 
 
 def rl_args(parser: argparse.ArgumentParser, world_size: int, batch: bool, max_episodes: int,
@@ -25,23 +21,16 @@ def rl_args(parser: argparse.ArgumentParser, world_size: int, batch: bool, max_e
     """One run's flags, checked by the example's own ``check_args`` (one line under ``parser``)."""
     argv = ["--world_size", str(world_size), "--max_episodes", str(max_episodes),
             "--reward_threshold", str(threshold), "--log_interval", str(10**6), "--seed", str(seed)]
-    args = rl_parser().parse_args(argv + (["--batch"] if batch else []))
-    rl_check(parser, args)
-    return args
+    return example_args(parser, rl_main, argv + (["--batch"] if batch else []))
 
 
 def running_rewards(min_rewards: list[float]) -> list[float]:
     """The agent's running reward after each episode (0.05 of each episode's minimum)."""
-    r, out = 0.0, []
-    for m in min_rewards:
-        r = 0.05 * m + 0.95 * r
-        out.append(r)
-    return out
+    return list(itertools.accumulate(min_rewards, lambda r, m: 0.05 * m + 0.95 * r, initial=0.0))[1:]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
+    p = bench_parser(__doc__, "the running-reward curves", seed=1)
     p.add_argument("--world_sizes", type=int, nargs="+", default=None,
                    help="processes per run: 1 agent + observers (default 2 3 5; quick 2 5)")
     p.add_argument("--speed_episodes", type=int, default=None, help="episodes per speed run (default 30; quick 8)")
@@ -50,15 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=None, help="solved at this running reward (default 475; quick 100)")
     p.add_argument("--max_episodes", type=int, default=1000, help="give up a solve run here")
     p.add_argument("--rtt_calls", type=int, default=500, help="timed RPC round trips")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--plot", default=None, help="write the running-reward curves here (PNG)")
     return p
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    distkit.check_path(parser, "--plot", args.plot, "out_file")
+    args = parse(parser, argv)
     q = args.quick
     sizes = args.world_sizes or ([2, 5] if q else [2, 3, 5])
     speed_episodes = args.speed_episodes if args.speed_episodes is not None else (8 if q else 30)
@@ -67,25 +53,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     check_at_least(parser, 2, {"--world_sizes": sizes, "--solve_sizes": solve_sizes})
     check_at_least(parser, 1, {"--speed_episodes": speed_episodes, "--max_episodes": args.max_episodes,
                                "--rtt_calls": args.rtt_calls})
-    check_at_least(parser, 0, {"--seed": args.seed})
     if not 0 < threshold <= 500:  # the example's --reward_threshold range; false for nan too
         parser.error(f"--threshold must be in (0, 500], got {threshold}")
-    # every run's flags, checked by the example's own check_args before anything runs
-    # (speed runs: threshold 500, never "solved", so each runs all its episodes)
+    # every run's flags first (speed runs: threshold 500, never "solved", so each runs all its episodes)
     speed_runs = [(ws, batch, rl_args(parser, ws, batch, speed_episodes, 500.0, args.seed))
                   for ws in sizes for batch in (False, True)]
     solve_runs = [(ws, batch, rl_args(parser, ws, batch, args.max_episodes, threshold, args.seed))
                   for ws in solve_sizes for batch in (False, True)]
     print(describe_machine(max(sizes + solve_sizes)))
 
-    rtt = rpc_round_trip(args.rtt_calls)
-    print(f"# RPC round trip (median of {args.rtt_calls} no-op rpc_sync): {rtt * 1e3:.3f} ms"
-          f" -> at most {1 / (2 * rtt):.0f} steps/s per observer with 2 RPCs a step,"
-          f" {1 / rtt:.0f} with 1\n")
+    rtt = rpc_round_trip(args.rtt_calls, end="")
+    print(f" -> at most {1 / (2 * rtt):.0f} steps/s per observer with 2 RPCs a step, {1 / rtt:.0f} with 1\n")
 
     rows, base = [], None
     for ws, batch, run_args in speed_runs:
-        r = distkit.launch(run_worker, run_args)[0]
+        r = distkit.launch(rl_main.run_worker, run_args)[0]
         rate = r["env_steps"] / r["seconds"]
         base = rate if not batch else base  # the tutorial's rate at this world size
         bound = (ws - 1) / ((1 if batch else 2) * rtt)
@@ -96,10 +78,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(format_table(["world_size", "observers", "mode", "episodes", "env_steps", "steps/s",
                         "speed-up", "rpc bound steps/s", "of bound"], rows))
 
-    curves = {}
-    solve_rows = []
+    curves, solve_rows = {}, []
     for ws, batch, run_args in solve_runs:
-        r = distkit.launch(run_worker, run_args)[0]
+        r = distkit.launch(rl_main.run_worker, run_args)[0]
         mode = "batch" if batch else "tutorial"
         curves[f"{ws - 1} obs, {mode}"] = running_rewards(r["rewards"])
         solve_rows.append({"table": "solve", "world_size": ws, "mode": mode,
@@ -114,9 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for label, curve in curves.items():
             ax.plot(range(1, len(curve) + 1), curve, label=label)
         ax.axhline(threshold, color="grey", linestyle=":", label=f"threshold {threshold:g}")
-        ax.set_xlabel("episode")
-        ax.set_ylabel("running reward")
-        ax.set_title("rpc_rl: CartPole-v1 running reward")
+        ax.set(xlabel="episode", ylabel="running reward", title="rpc_rl: CartPole-v1 running reward")
         ax.legend()
 
     save_plot(args.plot, draw)

@@ -1,34 +1,26 @@
 """Benchmark rpc_rnn: iterations per second and the share of each iteration spent in RPC.
 
-    python scripts/bench_rpc_rnn.py --quick                        # about a minute on 2 cores
-    python scripts/bench_rpc_rnn.py --plot results/rpc_rnn.png     # default, medium, large models
-    python scripts/bench_rpc_rnn.py --versus      # main.py beside sharded.py on 2 and 4 ranks, 2 vocabularies
-
 The example's ``run_worker`` unchanged, against the same modules and batches in this process
-(plain SGD, no RPC, the same threads): rpc share is the rest, what is not the model's own
-arithmetic. On the CPU, so both sides use the same device. Columns: docs/rpc_rnn.md, "Benchmark".
+(plain SGD, no RPC, the same threads): rpc share is the rest. On the CPU, so both sides use the
+same device. Usage, columns: docs/rpc_rnn.md, "Benchmark".
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.optim as optim
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import distkit  # noqa: E402
-from benchlib import check_at_least, describe_machine, format_table, median  # noqa: E402
-from rpc_phases import (PhaseClock, launch_timed, phase_seconds, plot, print_tables,  # noqa: E402
-                        print_versus, rpc_round_trip, rpc_step_ms, step_ms, summarize, threads, versus_row)
-from rpc_rnn import sharded  # noqa: E402
-from rpc_rnn.main import build_parser as rnn_parser, check_args as rnn_check  # noqa: E402
-from rpc_rnn.main import get_next_batch, make_stream, run_worker  # noqa: E402
-from rpc_rnn.rnn import Decoder, EmbeddingTable  # noqa: E402
+from benchlib import bench_parser, check_at_least, describe_machine, example_args, format_table, median, parse
+import distkit
+from rpc_phases import (PhaseClock, launch_timed, phase_seconds, plot, print_tables, print_versus, rpc_round_trip,
+                        rpc_step_ms, step_ms, summarize, threads, versus_row)
+from rpc_rnn import main as rnn_main, sharded
+from rpc_rnn.main import get_next_batch, make_stream, run_worker
+from rpc_rnn.rnn import Decoder, EmbeddingTable
 
 # the example's defaults and two larger ones ("large": about the word language model's small one)
 CONFIGS: dict[str, dict[str, int]] = {
@@ -89,13 +81,8 @@ def versus(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[di
     for name in configs:
         flags = [*(x for k, v in CONFIGS[name].items() for x in (f"--{k}", str(v))), "--epochs", "1", "--batches",
                  str(args.warmup + iters), "--seed", str(args.seed), "--device", "cpu", "--threads", "1"]
-        rpc_args = rnn_parser().parse_args(flags)
-        rnn_check(parser, rpc_args)
-        sharded_runs = []
-        for n in rank_counts:
-            sharded_runs.append((n, sharded.build_parser().parse_args([*flags, "--world_size", str(n)])))
-            sharded.check_args(parser, sharded_runs[-1][1])
-        runs.append((name, rpc_args, sharded_runs))
+        runs.append((name, example_args(parser, rnn_main, flags),
+                     [(n, example_args(parser, sharded, [*flags, "--world_size", str(n)])) for n in rank_counts]))
     print(describe_machine(max(2, *rank_counts), 1))
     rows = []
     for name, rpc_args, sharded_runs in runs:
@@ -106,21 +93,16 @@ def versus(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[di
         for n, sharded_args in sharded_runs:
             ms = step_ms(sharded.run_worker, sharded_args, args.warmup)[0]
             rows.append(versus_row(name, "DTensor (sharded.py)", n, ms, local, min(n, os.cpu_count() or 1)))
-    print_versus(rows, "the whole model, every batch")
-    assert all(math.isfinite(r[k]) for r in rows for k in ("ms/step", "1 process ms/step"))
-    return rows
+    return print_versus(rows, "the whole model, every batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a smaller run: about a minute on 2 cores")
+    p = bench_parser(__doc__, "the time split per configuration", seed=1)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
                    help="model sizes (default: default medium large; quick: default medium)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 100; quick 30)")
     p.add_argument("--warmup", type=int, default=5, help="iterations dropped before timing")
     p.add_argument("--rtt_calls", type=int, default=200, help="timed no-op RPC round trips")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--plot", default=None, help="write the time split per configuration here (PNG)")
     p.add_argument("--versus", action="store_true",
                    help="time main.py beside sharded.py (--configs default: default vocab; quick: default)")
     p.add_argument("--ranks", type=int, nargs="+", default=None,
@@ -130,26 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    distkit.check_path(parser, "--plot", args.plot, "out_file")
+    args = parse(parser, argv)
     configs = args.configs or (["default", "medium"] if args.quick else ["default", "medium", "large"])
     iters = (30 if args.quick else 100) if args.iters is None else args.iters
-    check_at_least(parser, 1, {"--iters": iters, "--warmup": args.warmup, "--rtt_calls": args.rtt_calls})
-    check_at_least(parser, 0, {"--seed": args.seed})
-    check_at_least(parser, 1, {"--ranks": args.ranks})
+    check_at_least(parser, 1, {"--iters": iters, "--warmup": args.warmup, "--rtt_calls": args.rtt_calls,
+                               "--ranks": args.ranks})
     if args.versus:
         return versus(parser, args)
     runs = []  # every run's flags, checked by the example's own check_args before anything runs
     for name in configs:
         sizes = [x for k, v in CONFIGS[name].items() for x in (f"--{k}", str(v))]
-        rnn_args = rnn_parser().parse_args([*sizes, "--epochs", "1", "--batches", str(args.warmup + iters),
-                                            "--seed", str(args.seed), "--device", "cpu"])
-        rnn_check(parser, rnn_args)
-        runs.append((name, rnn_args))
+        runs.append((name, example_args(parser, rnn_main, [*sizes, "--epochs", "1", "--batches",
+                                                           str(args.warmup + iters), "--seed", str(args.seed),
+                                                           "--device", "cpu"])))
     n_threads = distkit.threads_per_process(2)
     print(describe_machine(2, n_threads))
     rtt = rpc_round_trip(args.rtt_calls)
-    print(f"# RPC round trip (median of {args.rtt_calls} no-op rpc_sync): {rtt * 1e3:.3f} ms")
     print(f"# local: the same modules and batches in one process, {n_threads} thread(s), no RPC\n")
 
     rows = []

@@ -1,5 +1,6 @@
-"""What every benchmark script shares: a machine header, a table, a plot, the check of its counts.
+"""What every benchmark script shares: its flags, a machine header, a table, a plot, the check of its counts.
 
+Every benchmark imports it first: it puts the repo root (distkit, the examples) on ``sys.path``.
 Benchmarks print; tests never time anything: ``main(argv)`` returns the table rows for the
 tests to check. Bad input is refused in one line before anything runs, as the examples do
 (``distkit.ArgumentParser``, ``check_at_least``, the example's own ``check_args``).
@@ -11,12 +12,40 @@ import math
 import os
 import platform
 import statistics
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
-import distkit
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import distkit  # noqa: E402
+
+
+def bench_parser(doc: str, plot: str, seed: int = 0,
+                 quick: str = "a smaller run: about a minute on 2 cores") -> argparse.ArgumentParser:
+    """The flags every benchmark has; its description: the first line of its docstring ``doc``."""
+    p = distkit.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=quick)
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--plot", default=None, help=f"write {plot} here (PNG)")
+    return p
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed, a --plot that cannot be written and a negative --seed refused."""
+    args = parser.parse_args(argv)
+    distkit.check_path(parser, "--plot", args.plot, "out_file")
+    check_at_least(parser, 0, {"--seed": args.seed})
+    return args
+
+
+def example_args(parser: argparse.ArgumentParser, example: ModuleType, argv: list[str]) -> argparse.Namespace:
+    """One run's flags for ``example``, checked by its own ``check_args`` (its one line under ``parser``)."""
+    args = example.build_parser().parse_args(argv)
+    example.check_args(parser, args)
+    return args
 
 
 def check_at_least(parser: argparse.ArgumentParser, minimum: int,

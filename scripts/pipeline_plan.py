@@ -73,19 +73,15 @@ def _table_problem(table: list[list[tuple[str, int, int]]], schedule: str, world
 class Plan:
     """A schedule's table played with unit costs: spans in cost units, per rank."""
 
-    schedule: str
     world_size: int
-    n_microbatches: int
     spans: list[Span]
     makespan: float
-
-    def busy(self, rank: int) -> float:
-        return sum(s.end - s.start for s in self.spans if s.rank == rank)
 
     @property
     def idle(self) -> list[float]:
         """Each rank's ideal idle fraction of the makespan (its ideal bubble)."""
-        return [1 - self.busy(r) / self.makespan for r in range(self.world_size)]
+        return [1 - sum(s.end - s.start for s in self.spans if s.rank == r) / self.makespan
+                for r in range(self.world_size)]
 
     @property
     def bubble(self) -> float:
@@ -130,8 +126,4 @@ def plan(schedule: str, world_size: int, n_microbatches: int) -> Plan:
         if not progress:
             stuck = {r: t[h] for r, (h, t) in enumerate(zip(heads, table)) if h < len(t)}
             raise RuntimeError(f"{schedule}'s table deadlocks: next actions {stuck}")
-    return Plan(schedule, world_size, n_microbatches, spans, max(free))
-
-
-def ideal_bubble(schedule: str, world_size: int, n_microbatches: int) -> float:
-    return plan(schedule, world_size, n_microbatches).bubble
+    return Plan(world_size, spans, max(free))

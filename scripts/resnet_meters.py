@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import os
 import resource
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,14 +32,6 @@ def steady_malloc() -> bool:
                ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
 
 
-def cores() -> frozenset[int]:
-    """The CPUs this process may run on."""
-    try:
-        return frozenset(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return frozenset(range(os.cpu_count() or 1))
-
-
 def peak_memory_mb() -> float:
     """Peak resident MB so far: VmHWM, since ``ru_maxrss`` carries over the forking launcher's."""
     try:
@@ -55,13 +45,8 @@ def peak_memory_mb() -> float:
 
 
 def process_stats() -> dict:
-    """This process's CPU seconds (all threads) and peak memory (MB) so far, and its host."""
-    return {"cpu": time.process_time(), "peak_mb": peak_memory_mb(), "host": socket.gethostname()}
-
-
-def classic_bound(m: int, stages: int = 2) -> float:
-    """Speed-up of ``stages`` equal, strictly serial stages over m micro-batches: p m / (m + p - 1)."""
-    return stages * m / (m + stages - 1)
+    """This process's CPU seconds (all threads) and peak memory (MB) so far."""
+    return {"cpu": time.process_time(), "peak_mb": peak_memory_mb()}
 
 
 @dataclass
@@ -88,11 +73,8 @@ class BatchLog:
                 "cpu_times": self.cpu_times, "peak_mb": self.peak_mb}
 
 
-class Meter:
+class Meter(BatchLog):
     """main.py's ``on_batch`` on the master: all three processes' CPU seconds, read over RPC."""
-
-    def __init__(self, warmup: int) -> None:
-        self.log = BatchLog(warmup)
 
     @staticmethod
     def _all_stats(model) -> list[dict]:
@@ -106,10 +88,7 @@ class Meter:
         before = self._all_stats(model)
         yield
         after = self._all_stats(model)
-        self.log.add(i, time.perf_counter() - tik, before, after)
-
-    def result(self, losses: list[float]) -> dict:
-        return self.log.result(losses)
+        self.add(i, time.perf_counter() - tik, before, after)
 
 
 def _gather(value: object) -> list:
@@ -119,12 +98,9 @@ def _gather(value: object) -> list:
     return out
 
 
-class StageMeter:
+class StageMeter(BatchLog):
     """pipelining.py's ``on_batch`` on every rank: barriers put both ranks' CPU readings inside
     the wall clock (CPU seconds / cores <= wall, as for ``Meter``)."""
-
-    def __init__(self, warmup: int) -> None:
-        self.log = BatchLog(warmup)
 
     @contextlib.contextmanager
     def __call__(self, stage, i: int) -> Iterator[None]:
@@ -137,8 +113,8 @@ class StageMeter:
         dist.barrier()
         seconds = time.perf_counter() - tik
         stats = _gather((before, after))  # outside the window
-        self.log.add(i, seconds, [b for b, _ in stats], [a for _, a in stats])  # rank 0, rank 1
+        self.add(i, seconds, [b for b, _ in stats], [a for _, a in stats])  # rank 0, rank 1
 
     def result(self, losses: list[float]) -> dict:
         """On every rank: the last stage's losses beside what was measured."""
-        return self.log.result(next((x for x in _gather(losses) if x), []))
+        return super().result(next((x for x in _gather(losses) if x), []))

@@ -1,9 +1,8 @@
 """What the RPC benchmarks share: phase clocks (bench_rpc_rnn, bench_ddp_rpc), the round trip (all three),
 and the RPC version timed beside sharded.py (``--versus``).
 
-``PhaseClock`` times a loop's forward, backward and step from outside (wrapping
-``dist_autograd.backward`` and ``DistributedOptimizer.step`` in the workers, the same clock
-around the local loop's); ``summarize``, ``print_tables`` and ``plot`` compare the two runs.
+``PhaseClock``: the same clock in the workers and around the local loop; ``summarize``, ``print_tables``
+and ``plot`` compare the two runs.
 """
 from __future__ import annotations
 
@@ -93,28 +92,27 @@ def _noop() -> None:
     return None
 
 
-def rtt_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float] | None:
+def rtt_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float]:
     """Rank 0 times ``rpc_sync`` calls of a no-op on rank 1, over TCP only as rpc_rl does."""
     options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"])
     rpc.init_rpc(f"w{worker.rank}", rank=worker.rank, world_size=2, rpc_backend_options=options)
-    times = None
+    times = []
     if worker.rank == 0:
-        for _ in range(20):  # warm-up: connections, thread pool
-            rpc.rpc_sync("w1", _noop)
-        times = []
-        for _ in range(args.rtt_calls):
+        for _ in range(20 + args.rtt_calls):  # the first 20 warm up: connections, thread pool
             start = time.perf_counter()
             rpc.rpc_sync("w1", _noop)
             times.append(time.perf_counter() - start)
     rpc.shutdown()
-    return times
+    return times[20:]
 
 
-def rpc_round_trip(calls: int) -> float:
-    """Median seconds of a no-op ``rpc_sync`` between two processes of this machine."""
+def rpc_round_trip(calls: int, end: str = "\n") -> float:
+    """Median seconds of a no-op ``rpc_sync`` between two processes of this machine, printed."""
     args = argparse.Namespace(world_size=2, ranks=None, master_addr=None, master_port=None,
                               device="cpu", threads=None, rtt_calls=calls)
-    return median(distkit.launch(rtt_worker, args)[0])
+    rtt = median(distkit.launch(rtt_worker, args)[0])
+    print(f"# RPC round trip (median of {calls} no-op rpc_sync): {rtt * 1e3:.3f} ms", end=end)
+    return rtt
 
 
 @contextmanager
@@ -129,7 +127,7 @@ def threads(n: int) -> Iterator[None]:
 
 
 def summarize(name: str, dist: list[dict[str, list[float]]], local: dict[str, list[float]],
-              rtt: float) -> dict:
+              rtt: float, share: str = "rpc share") -> dict:
     """One table row: medians (pooled over trainers) beside the local reference's."""
     row: dict[str, Any] = {"config": name}
     for key in (*PHASES, "iteration"):
@@ -137,7 +135,7 @@ def summarize(name: str, dist: list[dict[str, list[float]]], local: dict[str, li
         row[f"local {key} ms"] = 1e3 * median(local[key])
     d, loc = row.pop("iteration ms"), row.pop("local iteration ms")
     row.update({"ms/it": d, "local ms/it": loc, "it/s": 1e3 / d, "local it/s": 1e3 / loc,
-                "rpc share": (d - loc) / d, "RTTs/it": (d - loc) / (1e3 * rtt)})
+                share: (d - loc) / d, "RTTs/it": (d - loc) / (1e3 * rtt)})
     return row
 
 
@@ -170,9 +168,7 @@ def plot(path: str | None, rows: list[dict], title: str, rest: str = "rpc") -> N
         for i, r in enumerate(rows):
             ax.text(i, 101, f"{r['it/s']:.3g} it/s", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(list(x), [r["config"] for r in rows])
-        ax.set_ylim(0, 112)
-        ax.set_ylabel("% of a distributed iteration")
-        ax.set_title(title)
+        ax.set(ylim=(0, 112), ylabel="% of a distributed iteration", title=title)
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
 
     save_plot(path, draw)
@@ -181,8 +177,7 @@ def plot(path: str | None, rows: list[dict], title: str, rest: str = "rpc") -> N
 # ---------------------------------------- --versus: the RPC version beside sharded.py, the same work
 
 def rpc_step_ms(run: Callable, args: argparse.Namespace, warmup: int) -> tuple[float, dict]:
-    """Median ms from one ``DistributedOptimizer.step`` to the next, over every trainer (PhaseClock); and
-    what each rank's ``run`` returned."""
+    """Median ms between ``DistributedOptimizer.step`` ends, all trainers; what each rank's ``run`` returned."""
     out = distkit.launch(functools.partial(timed_run, run), args)
     times = [t for r in out.values() if r["marks"] for t in phase_seconds(r["marks"], warmup)["iteration"]]
     return 1e3 * median(times), {rank: r["result"] for rank, r in out.items()}
@@ -199,22 +194,23 @@ def _step_ends(run: Callable, worker: distkit.Worker, args: argparse.Namespace) 
 
 
 def step_ms(run: Callable, args: argparse.Namespace, warmup: int) -> tuple[float, dict]:
-    """Median ms from one optimizer step to the next, over every rank (sharded.py: every rank trains); and
-    what each rank's ``run`` returned."""
+    """Median ms between optimizer step ends, every rank (each trains); what each rank's ``run`` returned."""
     out = distkit.launch(functools.partial(_step_ends, run), args)
     times = [b - a for r in out.values() for a, b in zip(r["ends"][warmup:], r["ends"][warmup + 1:])]
     return 1e3 * median(times), {rank: r["result"] for rank, r in out.items()}
 
 
 def versus_row(config: str, version: str, ranks: int, ms: float, local_ms: float, bound: float) -> dict:
-    """One version's line: its ms per step beside one process doing the same work, and the bound of its
-    speed-up (what the cores and the version's own waits allow); above it, the row says so."""
+    """One version's row: ms per step beside one process doing the same work; a note above the speed-up's bound."""
     speedup = local_ms / ms
     return {"config": config, "version": version, "ranks": ranks, "ms/step": ms, "1 process ms/step": local_ms,
             "speed-up": speedup, "bound": bound, "note": "ABOVE ITS BOUND: a measurement bug" if speedup > bound else ""}
 
 
-def print_versus(rows: list[dict], what: str) -> None:
+def print_versus(rows: list[dict], what: str) -> list[dict]:
+    """The --versus table; its rows, each one's times checked finite."""
     print(f"# ms per step (median); 1 process: {what}; every process one thread")
     print(format_table(["config", "version", "ranks", "ms/step", "1 process ms/step", "speed-up", "bound", "note"],
                        rows))
+    assert all(math.isfinite(r[k]) for r in rows for k in ("ms/step", "1 process ms/step"))
+    return rows

@@ -10,7 +10,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Private in torch 2.14.1 (pinned: re-check on upgrade): every schedule's compute and waits
 # happen here, so wrapping them observes all of it without copying a schedule's loop.
@@ -18,11 +18,7 @@ from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 COMPUTE = ("F", "B", "W")  # forward, backward (input gradients, or all of it), weight gradients
-
-
-def clock() -> float:
-    """The wall clock, which every process of one machine shares: spans of several ranks compare."""
-    return time.time()
+clock = time.time  # the wall clock, which every process of one machine shares: spans of several ranks compare
 
 
 @dataclass(frozen=True)
@@ -37,16 +33,12 @@ class Span:
     microbatch: int | None = None
 
 
+@dataclass(eq=False)  # record_into tells recorders apart by identity, not by their spans
 class Recorder:
     """Collects one rank's spans. Cheap enough to leave on for a whole run."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.spans: list[Span] = []
-
-    def add(self, kind: str, start: float, end: float, stage: int | None = None,
-            microbatch: int | None = None) -> None:
-        self.spans.append(Span(self.rank, kind, start, end, stage, microbatch))
+    rank: int
+    spans: list[Span] = field(default_factory=list)
 
 # Everything _install wraps: private names of torch 2.14.1 (and 2.10). This module is the one
 # place any private torch attribute is assigned. test_stagetrace_wraps_only_names_this_torch_has
@@ -58,16 +50,11 @@ PATCHED = ((_PipelineStageBase, ("forward_one_chunk", "backward_one_chunk", "bac
            (_schedules, ("_batch_p2p", "_wait_batch_p2p")))
 
 _recorders: list[Recorder] = []  # those tracing this process, if any
-_installed = False
 
 
+@functools.cache  # once per process
 def _install() -> None:
-    """Wrap the stage compute and the schedules' P2P waits (once per process)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-
+    """Wrap the stage compute and the schedules' P2P waits."""
     def timed(cls, name: str, kind: str):
         fn = getattr(cls, name)
 
@@ -147,7 +134,7 @@ def _span(kind: str, stage: int | None, microbatch: int | None) -> Iterator[None
     finally:
         end = clock()
         for recorder in _recorders:
-            recorder.add(kind, start, end, stage, microbatch)
+            recorder.spans.append(Span(recorder.rank, kind, start, end, stage, microbatch))
 
 
 def record_into(recorder: Recorder) -> None:
@@ -156,12 +143,6 @@ def record_into(recorder: Recorder) -> None:
     if recorder not in _recorders:
         _recorders.append(recorder)
     _works.clear()
-
-
-def stop_recording(recorder: Recorder) -> None:
-    """Record no more into ``recorder`` (the spans so far stay in it)."""
-    if recorder in _recorders:
-        _recorders.remove(recorder)
 
 
 def end_step() -> None:
