@@ -1,11 +1,10 @@
 """The agent's run beyond the tutorial, met by ``run_worker`` through one ``AgentRun``, twice: ``build_agent``
-(the seed, --batch, --reward_threshold, and a record of each episode's reward, environment steps and
-seconds, for the benchmark and the tests) and ``finish`` (--save, the result)."""
+(the seed, --batch, --reward_threshold, and a record of each episode's reward) and ``finish`` (--save, the
+result)."""
 from __future__ import annotations
 
 import argparse
 import logging
-import time
 from typing import Any, Callable
 
 import torch
@@ -22,9 +21,7 @@ class AgentRun:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.steps: list[dict[int, int]] = []  # run_episode's result (steps per observer), per episode
         self.rewards: list[float] = []  # finish_episode's result, per episode
-        self.seconds = 0.0  # time spent inside run_episode and finish_episode
 
     def build_agent(self, world_size: int) -> Agent:
         """The tutorial's ``Agent(world_size)``, seeded, with the flags applied and recorded."""
@@ -34,17 +31,13 @@ class AgentRun:
         if self.args.reward_threshold is not None:
             agent.reward_threshold = self.args.reward_threshold
         # wrapped on this instance (the class is untouched): run_worker's loop stays the tutorial's
-        agent.run_episode = self._recorded(agent.run_episode, self.steps)
-        agent.finish_episode = self._recorded(agent.finish_episode, self.rewards)
+        agent.finish_episode = self._recorded(agent.finish_episode)
         return agent
 
-    def _recorded(self, method: Callable[[], Any], results: list) -> Callable[[], Any]:
+    def _recorded(self, finish_episode: Callable[[], Any]) -> Callable[[], Any]:
         def recorded() -> Any:
-            start = time.perf_counter()
-            result = method()
-            self.seconds += time.perf_counter() - start
-            results.append(result)
-            return result
+            self.rewards.append(finish_episode())
+            return self.rewards[-1]
         return recorded
 
     def finish(self, agent: Agent) -> dict:
@@ -54,6 +47,5 @@ class AgentRun:
             save_policy(agent.policy, self.args.save, episodes=episodes, running_reward=agent.running_reward)
             log.info(f"Policy saved to {self.args.save}")
         return {"solved": agent.running_reward > agent.reward_threshold, "episodes": episodes,
-                "rewards": self.rewards, "running_reward": agent.running_reward, "seconds": self.seconds,
-                "threshold": agent.reward_threshold, "policy": agent.policy.state_dict(),
-                "env_steps": sum(sum(steps.values()) for steps in self.steps)}
+                "rewards": self.rewards, "running_reward": agent.running_reward,
+                "threshold": agent.reward_threshold, "policy": agent.policy.state_dict()}

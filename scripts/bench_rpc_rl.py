@@ -1,19 +1,44 @@
 """Benchmark rpc_rl: RPC round trip, environment steps/s (tutorial vs --batch), episodes to solve.
 
 The tutorial's observer makes two RPCs per environment step, so it steps at most 1 / (2 x
-round trip) times a second (--batch: one RPC); the table puts each rate beside that bound.
-Usage: docs/rpc_rl.md.
+round trip) times a second (--batch: one RPC); the table puts each rate beside that bound. Usage: docs/rpc_rl.md.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import math
+import time
 
 from benchlib import bench_parser, check_at_least, describe_machine, example_args, format_table, parse, save_plot
 import distkit
 import rpc_rl.main as rl_main
 from rpc_phases import rpc_round_trip
+from rpc_rl.record import AgentRun
+
+
+def timed_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    """``run_worker``; the agent's result gains the environment steps and seconds of its episodes."""
+    count = {"env_steps": 0, "seconds": 0.0}
+    build = AgentRun.build_agent
+
+    def timed(method):
+        def wrapper():
+            start = time.perf_counter()
+            result = method()
+            count["seconds"] += time.perf_counter() - start
+            count["env_steps"] += sum(result.values()) if isinstance(result, dict) else 0  # run_episode's
+            return result
+        return wrapper
+
+    def build_agent(run: AgentRun, world_size: int):  # the agent's run_episode and finish_episode timed
+        agent = build(run, world_size)
+        agent.run_episode, agent.finish_episode = timed(agent.run_episode), timed(agent.finish_episode)
+        return agent
+
+    AgentRun.build_agent = build_agent  # in this rank's process only
+    result = rl_main.run_worker(worker, args)
+    return {**result, **count} if result else result
 
 
 def rl_args(parser: argparse.ArgumentParser, world_size: int, batch: bool, max_episodes: int,
@@ -22,11 +47,6 @@ def rl_args(parser: argparse.ArgumentParser, world_size: int, batch: bool, max_e
     argv = ["--world_size", str(world_size), "--max_episodes", str(max_episodes),
             "--reward_threshold", str(threshold), "--log_interval", str(10**6), "--seed", str(seed)]
     return example_args(parser, rl_main, argv + (["--batch"] if batch else []))
-
-
-def running_rewards(min_rewards: list[float]) -> list[float]:
-    """The agent's running reward after each episode (0.05 of each episode's minimum)."""
-    return list(itertools.accumulate(min_rewards, lambda r, m: 0.05 * m + 0.95 * r, initial=0.0))[1:]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     rows, base = [], None
     for ws, batch, run_args in speed_runs:
-        r = distkit.launch(rl_main.run_worker, run_args)[0]
+        r = distkit.launch(timed_worker, run_args)[0]
         rate = r["env_steps"] / r["seconds"]
         base = rate if not batch else base  # the tutorial's rate at this world size
         bound = (ws - 1) / ((1 if batch else 2) * rtt)
@@ -80,9 +100,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     curves, solve_rows = {}, []
     for ws, batch, run_args in solve_runs:
-        r = distkit.launch(rl_main.run_worker, run_args)[0]
+        r = distkit.launch(timed_worker, run_args)[0]
         mode = "batch" if batch else "tutorial"
-        curves[f"{ws - 1} obs, {mode}"] = running_rewards(r["rewards"])
+        # the agent's running reward after each episode (0.05 of each episode's minimum)
+        curves[f"{ws - 1} obs, {mode}"] = list(itertools.accumulate(
+            r["rewards"], lambda run, m: 0.05 * m + 0.95 * run, initial=0.0))[1:]
         solve_rows.append({"table": "solve", "world_size": ws, "mode": mode,
                            "solved": r["solved"], "episodes": r["episodes"],
                            "seconds": r["seconds"], "steps/s": r["env_steps"] / r["seconds"]})

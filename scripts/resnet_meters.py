@@ -99,8 +99,7 @@ def _gather(value: object) -> list:
 
 
 class StageMeter(BatchLog):
-    """pipelining.py's ``on_batch`` on every rank: barriers put both ranks' CPU readings inside
-    the wall clock (CPU seconds / cores <= wall, as for ``Meter``)."""
+    """pipelining.py's ``on_batch`` on every rank: barriers keep both ranks' CPU readings inside the wall clock."""
 
     @contextlib.contextmanager
     def __call__(self, stage, i: int) -> Iterator[None]:
