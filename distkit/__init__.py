@@ -17,7 +17,7 @@ from .worker import Worker, cleanup, exit_process, silence_torchscript_optimizer
 __all__ = [
     "ArgumentParser", "DeviceError", "Job", "Placement", "Worker", "add_launch_args", "agree_on_backend",
     "backend_for", "check_finite", "check_launch_args", "check_path", "check_placements", "cleanup",
-    "exit_process", "fork_from_server", "gpu_count", "group_placement", "job_store", "launch", "local_workers", "parse_ranks",
-    "pick_device", "profiled", "process_group_store", "require_positive",
-    "process_group_args", "silence_torchscript_optimizer_warning", "threads_per_process", "under_torchrun",
+    "exit_process", "fork_from_server", "gpu_count", "group_placement", "job_store", "launch",
+    "local_workers", "parse_ranks", "pick_device", "process_group_args", "process_group_store", "profiled",
+    "require_positive", "silence_torchscript_optimizer_warning", "threads_per_process", "under_torchrun",
 ]
