@@ -41,9 +41,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The longest files first (--durations=0, session 15: test time in s), so that the two xdist workers
-# (--dist loadfile: a file to one worker) do not end with one of them still in a long file alone
-LONGEST_FIRST = ["test_multihost.py", "test_slurm.py", "test_faults.py", "test_quiet_output.py",
-                 "test_hangs.py"]  # 194, 164, 157, 154 and 102 s of 1,307
+# (--dist loadfile: a file to one worker) do not end with one of them still in a long file alone.
+# Not slurm and multihost first: started together, on the two workers, their many processes made a
+# 5 s --hang_timeout fire in a first training step; so multihost goes to whichever ends first of slurm
+# and faults, which take about as long
+LONGEST_FIRST = ["test_slurm.py", "test_faults.py", "test_multihost.py", "test_quiet_output.py",
+                 "test_hangs.py"]  # 164, 157, 194, 154 and 102 s of 1,307
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

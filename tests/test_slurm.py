@@ -289,7 +289,7 @@ def test_a_lost_or_frozen_task_or_scancel_ends_the_whole_step(event, slurm, tmp_
     with out.open("w") as f:
         srun = subprocess.Popen(
             [*slurm.login, "srun", "-N", "2", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "rpc_rnn/main.py",
-             "--epochs", "100000", "--hang_timeout", "5"], cwd=REPO,
+             "--epochs", "100000", "--hang_timeout", "5", "--threads", "1"], cwd=REPO,
             env={**slurm.env, "PYTHONUNBUFFERED": "1", "DISTKIT_TEST_MARK": mark}, stdout=f, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
