@@ -411,7 +411,7 @@ def ranks_forked_from_a_server(workers_round_differently, pytestconfig):
     again for every rank, about 3 CPU-seconds each. The server starts here, after
     ``workers_round_differently`` set its variable. Every example run through its command line
     (``run_cli``) still starts its ranks with ``mp.spawn``; the GPU tier (``-m cuda``) keeps
-    spawn for every launch (a server that touched CUDA could not fork)."""
+    spawn for every launch: it is short, and a forkserver has not been tried on a GPU machine."""
     import multiprocessing
 
     import distkit
