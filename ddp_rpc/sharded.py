@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -81,8 +81,12 @@ class ShardedHybridModel(nn.Module):
 
 def train(model: ShardedHybridModel, rank: int, config: TrainConfig) -> TrainerReport:
     """trainer.py's ``_run_trainer`` loop, with a local backward and a local optimizer."""
-    # one local SGD over every parameter: fc's plain tensors, and this rank's rows of the table (a DTensor)
-    opt = torch.optim.SGD(model.parameters(), lr=config.lr)
+    # one local SGD over every parameter: fc's plain tensors, and this rank's rows of the table (a DTensor),
+    # in groups of their own: on CUDA, SGD's default step (foreach) takes a group as one list of tensors,
+    # which cannot mix the two kinds ("got mixed torch.Tensor and DTensor")
+    params = list(model.parameters())
+    opt = torch.optim.SGD([{"params": [p for p in params if not isinstance(p, DTensor)]},
+                           {"params": [p for p in params if isinstance(p, DTensor)]}], lr=config.lr)
     criterion = torch.nn.CrossEntropyLoss()
     report = TrainerReport.watch(rank, model, criterion, config.batches_per_epoch)  # as trainer.py's
     for epoch in range(config.epochs):

@@ -78,8 +78,12 @@ class ShardedRNNModel(nn.Module):
 
 def run_trainer(model: ShardedRNNModel, args: argparse.Namespace, device: torch.device) -> dict:
     """main.py's ``run_trainer`` loop, with a local backward and a local optimizer."""
-    # one local SGD per rank: the LSTM (the same on every rank), its rows and its columns
-    opt = optim.SGD(model.parameters(), lr=args.lr)
+    # one local SGD per rank: the LSTM (the same on every rank), its rows and its columns. The LSTM's plain
+    # tensors and the DTensors in groups of their own: on CUDA, SGD's default step (foreach) takes a group as
+    # one list of tensors, which cannot mix the two kinds ("got mixed torch.Tensor and DTensor")
+    params = list(model.parameters())
+    opt = optim.SGD([{"params": [p for p in params if not isinstance(p, DTensor)]},
+                     {"params": [p for p in params if isinstance(p, DTensor)]}], lr=args.lr)
     criterion = nn.CrossEntropyLoss()
     stream = make_stream(args.ntoken, args.pattern_len, args.batch_size,
                          args.batches * args.seq_len + 1, args.seed)

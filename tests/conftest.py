@@ -493,3 +493,31 @@ def network_hosts(prefix: str, count: int, subnet: str) -> Iterator[list[Host]]:
         yield result
     finally:
         _teardown(created)
+
+
+# torch.optim on CUDA (issue 44): an optimizer given no foreach takes the multi-tensor step there
+# (torch.optim's docs: "we default to foreach ... when the tensors are all on CUDA"), the
+# one-tensor-at-a-time loop on the CPU. The CPU suite forces CUDA's choice to run that path here.
+def _foreach_as_on_cuda(add_param_group, forced: list):
+    def add(self, param_group: dict) -> None:
+        add_param_group(self, param_group)
+        group = self.param_groups[-1]
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True  # what a None resolves to for CUDA tensors
+            forced.append(type(self).__name__)
+    return add
+
+
+def on_cuda_optimizer_path(fn, worker, args):
+    """``fn(worker, args)`` in a rank whose ``torch.optim`` optimizers all take the step CUDA takes
+    by default (foreach). ``functools.partial(on_cuda_optimizer_path, run_worker)`` to launch it."""
+    import torch
+
+    forced: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.optim.Optimizer, "add_param_group",
+                   _foreach_as_on_cuda(torch.optim.Optimizer.add_param_group, forced))
+        result = fn(worker, args)
+    # a test of this path that no optimizer took cannot fail: it fails here instead
+    assert forced, f"rank {worker.rank} built no torch.optim optimizer whose foreach was left to the device"
+    return result

@@ -9,6 +9,7 @@ runs return and log, and both halves' final weights, must agree with ``assert_cl
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 
@@ -20,7 +21,7 @@ import torch.nn as nn
 import torch.optim as optim
 
 import distkit
-from conftest import REPO, Here, keep_weights, refused_before_launch, run_cli, run_torchrun
+from conftest import REPO, Here, keep_weights, on_cuda_optimizer_path, refused_before_launch, run_cli, run_torchrun
 import rpc_pipeline_resnet.main as rpc_example
 import rpc_pipeline_resnet.pipelining as pp_example
 from distkit.schedules import schedule_problem
@@ -72,8 +73,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[argparse.Namespace, list[dict]]]:
         "rpc": launch(rpc_example, _rpc_worker, "--splits", *splits),
         "GPipe": launch(pp_example, _pp_worker, "--world_size", "2", "--splits", *splits,
                         "--trace", str(tmp_path_factory.mktemp("trace"))),
-        "1F1B": launch(pp_example, _pp_worker, "--world_size", "2", "--splits", str(SPLITS[-1]),
-                       "--schedule", "1F1B"),
+        # with the SGD step CUDA takes by default (foreach), which the CPU does not (issue 44)
+        "1F1B": launch(pp_example, functools.partial(on_cuda_optimizer_path, _pp_worker), "--world_size", "2",
+                       "--splits", str(SPLITS[-1]), "--schedule", "1F1B"),
     }
 
 
