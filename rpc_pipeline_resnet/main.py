@@ -179,6 +179,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] |
     with distkit.profiled(args.trace, f"rank{worker.rank}"):
         if worker.rank == 0:
             rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)
+            log.info(f"shards on {' and '.join(map(str, shard_devices(args)))}")  # what --device chose
             runs = [timed(num_split, args) for num_split in args.splits]
         else:
             rpc.init_rpc(f"worker{worker.rank}", rank=worker.rank, world_size=worker.world_size,

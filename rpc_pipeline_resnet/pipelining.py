@@ -172,6 +172,7 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
     """Both ranks: one fresh pair of stages per --splits value, one run each (rank 0 times, rank 1 losses)."""
     rank, device = init_distributed(placement(worker, args))
+    log.info(f"stage {rank} on {device}")  # what --device chose
     runs = []
     with distkit.profiled(args.trace, f"rank{rank}"):
         for num_split in args.splits:

@@ -1,0 +1,37 @@
+"""scripts/gpu_check.py, the GPU owner's one command, on the CPU: its table from the GPU tier's own cases
+(their cpu tier), and the README commands it would run for 0, 1 and 2 GPUs."""
+from __future__ import annotations
+
+import re
+import sys
+
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_check  # noqa: E402
+
+
+def test_the_table_has_a_row_per_case_with_its_gpus_result_and_seconds():
+    proc = run_cli("scripts/gpu_check.py", "--tier", "cpu", "--cases", "sharded_table or pipelining_stage", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = re.findall(r"^(test_\S+)\s+(\d+)\s+(\d+\.\d)\s+(passed)$", proc.stdout, re.M)
+    assert [(case, gpus) for case, gpus, *_ in rows] == [  # the GPUs each case's GPU tier needs
+        ("test_ddp_rpc_sharded_table_on_gpus[cpu]", "1"),
+        ("test_rpc_pipeline_resnet_pipelining_stage_per_gpu[cpu]", "2")], proc.stdout
+    assert "GPU check: 2 passed, 0 skipped, 0 failed" in proc.stdout, proc.stdout
+
+
+def test_each_readme_command_runs_where_the_gpus_allow_it():
+    def commands(gpus: int) -> dict[str, str]:
+        return {what: why or " ".join(argv[argv.index(next(a for a in argv if a.endswith(".py"))):])
+                for what, _, argv, why in gpu_check.readme_commands(gpus)}
+
+    none = commands(0)
+    assert all(why.startswith("skipped") for why in none.values()), none
+    one, two = commands(1), commands(2)
+    assert one["python ddp_rpc/main.py --world_size 3 --device cuda"] == "ddp_rpc/main.py --world_size 3 --device cuda"
+    assert "needs 2 GPU(s), 1 visible: NCCL" in one["rpc_pipeline_resnet/pipelining.py --device cuda"]
+    assert "torchrun --nproc_per_node 1 pipelining_transformer/main.py --device cuda" in one
+    assert "torchrun --nproc_per_node 2 rpc_pipeline_resnet/pipelining.py --device cuda" in two
+    assert "python ddp_rpc/main.py --device cuda" in two
+    assert one["python rpc_rl/main.py --world_size 3"].startswith("skipped: runs on the CPU")
