@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=1)
     check_train_args(parser, args)
+    if args.world_size > NUM_EMBEDDINGS:  # RowwiseParallel gives every rank at least one row of the table
+        parser.error(f"--world_size {args.world_size} is more ranks than the table has rows ({NUM_EMBEDDINGS})")
     distkit.check_placements(parser, args, placement)
 
 

@@ -67,7 +67,10 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc
 def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                       min_world_size: int = 1, max_world_size: int | None = None) -> None:
     """Reject bad launch flags with a one-line error before any process starts."""
-    srun = adopt_srun_task(args.master_addr, args.master_port) is not None
+    try:
+        srun = adopt_srun_task(args.master_addr, args.master_port) is not None
+    except ValueError as e:  # a SLURM variable that makes no sense
+        parser.error(str(e))
     if srun and args.ranks is not None:
         parser.error(f"--ranks {args.ranks}: under srun each task is one rank (SLURM_PROCID)")
     if under_torchrun():

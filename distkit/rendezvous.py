@@ -23,18 +23,40 @@ def adopt_srun_task(master_addr: str | None, master_port: int | None) -> int | N
     this, each task ran a whole job of its own). The port: --master_port, else from the job id's last four
     digits, as Lightning. Returns N, or None outside such a step (an sbatch script's own shell included)."""
     env = os.environ
-    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))  # srun's step; not SLURM_NTASKS, which sbatch's shell has
-    if under_torchrun() or tasks < 2:
+    tasks = slurm_int("SLURM_STEP_NUM_TASKS", env.get("SLURM_STEP_NUM_TASKS", "1"))  # srun's step; not
+    if under_torchrun() or tasks < 2:  # SLURM_NTASKS, which sbatch's shell has
         return None
-    per_node = [int(n) for count in env["SLURM_STEP_TASKS_PER_NODE"].split(",")  # "2(x3),1"
-                for n, _, times in [count.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
+    try:  # "2(x3),1": 2 tasks on each of three nodes, then 1
+        per_node = [int(n) for count in slurm_var("SLURM_STEP_TASKS_PER_NODE").split(",")
+                    for n, _, times in [count.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
+    except ValueError:
+        raise ValueError(f"SLURM_STEP_TASKS_PER_NODE={env['SLURM_STEP_TASKS_PER_NODE']!r} is not a task count "
+                         f"per node (like 2(x3),1)") from None
+    node = slurm_int("SLURM_NODEID", below=len(per_node))
     # TORCHELASTIC_USE_AGENT_STORE: torch's env:// (RPC's rendezvous) joins the store rank 0 hosts here
-    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(tasks), LOCAL_RANK=env["SLURM_LOCALID"],
-               TORCHELASTIC_USE_AGENT_STORE="True", DISTKIT_SRUN="1",
-               LOCAL_WORLD_SIZE=str(per_node[int(env["SLURM_NODEID"])]),
-               MASTER_ADDR=master_addr or first_host(env["SLURM_STEP_NODELIST"]),
-               MASTER_PORT=str(master_port or 10000 + int(env["SLURM_JOB_ID"]) % 10000))
+    env.update(RANK=str(slurm_int("SLURM_PROCID", below=tasks)), WORLD_SIZE=str(tasks),
+               LOCAL_RANK=str(slurm_int("SLURM_LOCALID", below=per_node[node])),
+               TORCHELASTIC_USE_AGENT_STORE="True", DISTKIT_SRUN="1", LOCAL_WORLD_SIZE=str(per_node[node]),
+               MASTER_ADDR=master_addr or first_host(slurm_var("SLURM_STEP_NODELIST")),
+               MASTER_PORT=str(master_port or 10000 + slurm_int("SLURM_JOB_ID") % 10000))
     return tasks
+
+
+def slurm_var(name: str) -> str:
+    """SLURM's variable ``name``, or a ValueError naming it (check_launch_args: one line, exit 2)."""
+    if not os.environ.get(name):
+        raise ValueError(f"{name} is not set, though SLURM_STEP_NUM_TASKS says this is a task of an srun step")
+    return os.environ[name]
+
+
+def slurm_int(name: str, value: str | None = None, below: int | None = None) -> int:
+    """SLURM's variable ``name`` (or ``value``) as a count or index (< ``below``), or a ValueError naming it."""
+    value = slurm_var(name) if value is None else value
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r} is not a whole number")
+    if below is not None and int(value) >= below:
+        raise ValueError(f"{name}={value} is not within 0..{below - 1}")
+    return int(value)
 
 
 def first_host(nodelist: str) -> str:

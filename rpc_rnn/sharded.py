@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=1)
     check_train_args(parser, args)
+    if args.world_size > args.ntoken:  # a rank holding no row of the vocabulary fails in its first lookup
+        parser.error(f"--world_size {args.world_size} is more ranks than --ntoken {args.ntoken} has rows to share")
     distkit.check_placements(parser, args, placement)
 
 

@@ -333,6 +333,8 @@ def test_concurrent_optimizer_steps_on_the_table_lose_no_update():
     ("ddp_rpc.sharded", ["--world_size", "0"], "--world_size must be at least 1"),
     ("ddp_rpc.sharded", ["--batch_size", "0"], "--batch_size must be at least 1"),
     ("ddp_rpc.sharded", ["--device", "cuda"], "--device cuda was asked for, but no CUDA device is visible"),
+    ("ddp_rpc.sharded", ["--world_size", "101"], "--world_size 101 is more ranks than the table has rows (100)"),
+    ("rpc_rnn.sharded", ["--world_size", "4", "--ntoken", "3"], "--world_size 4 is more ranks than --ntoken 3"),
     ("rpc_rnn.sharded", ["--world_size", "0"], "--world_size must be at least 1"),
     ("rpc_rnn.sharded", ["--ntoken", "1"], "--ntoken must be at least 2"),
     ("rpc_rnn.sharded", ["--device", "cuda"], "--device cuda was asked for, but no CUDA device is visible"),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import distkit
-from conftest import REPO, run_cli, run_torchrun
+from conftest import REPO, refused_before_launch, run_cli, run_torchrun
 
 MAX_LINES = 300  # distkit is the little every example needs, not a framework (issue 20)
 
@@ -376,3 +376,27 @@ def test_a_stopped_rank_is_ended_with_the_job(tmp_path, capsys):
     took = time.monotonic() - start
     assert "rank 0 failed" in capsys.readouterr().err
     assert took < 20, f"the job took {took:.0f} s to end"
+
+
+SRUN_TASK = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "node1", "SLURM_JOB_ID": "7"}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"SLURM_STEP_NUM_TASKS": "abc"}, "SLURM_STEP_NUM_TASKS='abc' is not a whole number"),
+    ({"SLURM_PROCID": "2"}, "SLURM_PROCID=2 is not within 0..1"),
+    ({"SLURM_LOCALID": "-1"}, "SLURM_LOCALID='-1' is not a whole number"),
+    ({"SLURM_NODEID": "1"}, "SLURM_NODEID=1 is not within 0..0"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(xa)"}, "SLURM_STEP_TASKS_PER_NODE='2(xa)' is not a task count per node"),
+    ({"SLURM_STEP_NODELIST": ""}, "SLURM_STEP_NODELIST is not set"),
+    ({"SLURM_JOB_ID": "7.1"}, "SLURM_JOB_ID='7.1' is not a whole number"),
+])
+def test_a_slurm_variable_that_makes_no_sense_is_named_in_one_line(change, message, capsys, monkeypatch):
+    """Under srun, each of SLURM's variables that distkit reads, malformed: one line naming it, exit 2."""
+    from rpc_rnn.main import main
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # not under torchrun
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**SRUN_TASK, **change}.items():
+        monkeypatch.setenv(name, value)
+    assert message in refused_before_launch(main, [], capsys, monkeypatch)
