@@ -126,6 +126,13 @@ ACCOUNTED: dict[str, tuple[str, str]] = {
 }
 
 
+def _as_unparsed(statement: str) -> str:
+    """``statement`` as this Python's ``ast.unparse`` writes it (3.10 writes ``for (m, i) in``, 3.11 ``for m, i in``)."""
+    if statement.endswith(":"):  # an if's or a for's header
+        return _statements(ast.parse(statement + " pass").body)[0]
+    return _statements(ast.parse(statement).body)[0]
+
+
 def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     found = {}
     for node in tree.body:
@@ -149,6 +156,9 @@ def _statements(body: list[ast.stmt]) -> list[str]:
         elif not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)):  # docstrings
             out.append(ast.unparse(st).replace("\n", " "))
     return out
+
+
+ACCOUNTED = {_as_unparsed(statement): account for statement, account in ACCOUNTED.items()}
 
 
 def path_statements(source: str) -> dict[str, list[str]]:
