@@ -23,8 +23,9 @@ def adopt_srun_task(master_addr: str | None, master_port: int | None) -> int | N
     this, each task ran a whole job of its own). The port: --master_port, else from the job id's last four
     digits, as Lightning. Returns N, or None outside such a step (an sbatch script's own shell included)."""
     env = os.environ
-    tasks = slurm_int("SLURM_STEP_NUM_TASKS", env.get("SLURM_STEP_NUM_TASKS", "1"))  # srun's step; not
-    if under_torchrun() or tasks < 2:  # SLURM_NTASKS, which sbatch's shell has
+    # srun's step; not SLURM_NTASKS, which sbatch's shell has
+    tasks = slurm_int("SLURM_STEP_NUM_TASKS", env.get("SLURM_STEP_NUM_TASKS", "1"))
+    if under_torchrun() or tasks < 2:
         return None
     try:  # "2(x3),1": 2 tasks on each of three nodes, then 1
         per_node = [int(n) for count in slurm_var("SLURM_STEP_TASKS_PER_NODE").split(",")
