@@ -223,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("dim", "n_layers", "n_heads", "vocab_size", "dropout"):
         model.add_argument(f"--{name}", type=type(getattr(defaults, name)), default=getattr(defaults, name))
     add_extra_args(parser)  # --stage_layers, --dp_size, --loss_log, --trace, checkpoints
-    distkit.add_launch_args(parser, world_size=2, hang_timeout=300)
+    # --hang_timeout 60: the longest time without progress in the README's runs was 1.5 s on a loaded 2-core machine,
+    # and a stalled quick start should end with every rank's stack within a minute (issue 45)
+    distkit.add_launch_args(parser, world_size=2, hang_timeout=60)
     return parser
 
 

@@ -129,6 +129,9 @@ def test_every_example_has_a_hang_timeout_it_states():
     for name in EXAMPLES:
         parser = importlib.import_module(module_of(name)).build_parser()
         assert 0 < parser.parse_args([]).hang_timeout <= 600
+    # a stalled quick start of the pipelining examples ends within a minute, with stacks (issue 45)
+    for name in ("pipelining_transformer", "rpc_pipeline_resnet.pipelining"):
+        assert importlib.import_module(module_of(name)).build_parser().parse_args([]).hang_timeout <= 60
         assert "--hang_timeout" in parser.format_help() and "(default:" in parser.format_help()
 
 
