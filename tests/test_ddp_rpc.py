@@ -80,7 +80,7 @@ def _printed(pattern: str, output: str) -> list[float]:
 ONE_ITERATION = ["--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "6", "--seed", "3", "--lr", "0.5"]
 
 
-@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
+@pytest.mark.fast  # also on Python 3.10 and 3.13 (.ci/run)
 def test_one_iteration_matches_single_process_maths(kept_jobs, capfd):
     """The RPC version's first iteration, and sharded.py's from the same --seed on as many ranks as
     trainers: the same initial weights, losses and updates (the first lookups of both trainers come

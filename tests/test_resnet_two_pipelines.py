@@ -105,7 +105,7 @@ def one_process(num_split: int, batches: int) -> tuple[list[float], list[dict]]:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
+@pytest.mark.fast  # also on Python 3.10 and 3.13 (.ci/run)
 @pytest.mark.parametrize("num_split", SPLITS)
 def test_both_pipelines_train_what_one_process_trains(runs, num_split):
     losses, weights = one_process(num_split, 2)
@@ -175,7 +175,7 @@ def readme_command(script: str) -> list[str]:
     return line.split("#")[0].split()[1:]
 
 
-@pytest.mark.fast  # the README's command must run on the oldest supported torch too
+@pytest.mark.fast  # the README's command must run on every Python CI runs too
 def test_the_readme_command_runs_on_this_torch():
     """``python rpc_pipeline_resnet/pipelining.py --world_size 2``, at small sizes: its default
     --splits are each run, or left out with one line where this PyTorch refuses them (torch

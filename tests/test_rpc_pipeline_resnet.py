@@ -110,7 +110,7 @@ def local_forward(s1: ResNetShard1, s2: ResNetShard2, inputs: torch.Tensor, k: i
     return torch.cat([s2(Here(s1(Here(x)))) for x in inputs.tensor_split(k)])
 
 
-@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
+@pytest.mark.fast  # also on Python 3.10 and 3.13 (.ci/run)
 def test_train_step_matches_single_process_reference(job, one_thread):
     torch.manual_seed(0)  # the shards' random init is overwritten by load_state_dict
     s1, s2 = local_shards(job["before"])
@@ -144,7 +144,7 @@ def test_parameters_change_and_batchnorm_sees_micro_batches(job):
         assert counts == {TRAIN_SPLIT}, "every BatchNorm should count one update per micro-batch"
 
 
-@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
+@pytest.mark.fast  # also on Python 3.10 and 3.13 (.ci/run)
 @pytest.mark.parametrize("k", EVAL_SPLITS)
 def test_eval_forward_matches_shards_in_one_process(job, k, one_thread):
     # eval mode reached the workers: the forwards left BatchNorm's statistics alone

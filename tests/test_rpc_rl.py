@@ -265,7 +265,7 @@ def _reinforce_in_one_process(seed: int, gamma: float, episodes: int) -> tuple[l
     return totals, policy.state_dict()
 
 
-@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
+@pytest.mark.fast  # also on Python 3.10 and 3.13 (.ci/run)
 @pytest.mark.parametrize("batch", [False, True])
 def test_one_observer_run_equals_single_process_reinforce(batch):
     argv = ["--world_size", "2", "--max_episodes", "4", "--log_interval", "100", "--seed", "2",

@@ -134,7 +134,7 @@ SMALL_RUN = [x for k, v in SIZES.items() for x in (f"--{k}", str(v))] + [
     "--pattern_len", "5", "--epochs", "2", "--batches", "2", "--lr", str(LR), "--seed", "4"]
 
 
-@pytest.mark.fast  # also on the oldest supported torch (.ci/run)
+@pytest.mark.fast  # also on Python 3.10 and 3.13 (.ci/run)
 def test_run_trainer_matches_single_process_training():
     """The example's own run_trainer (2 epochs of 2 batches: the hidden state carried from
     batch to batch and reset every epoch) against the same training in one process."""
