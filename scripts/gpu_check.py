@@ -49,8 +49,8 @@ def tier_rows(tier: str, junit: Path, cases: str | None) -> list[Row]:
         elif outcome.tag == "skipped":
             result = "skipped: " + (outcome.get("message") or "").removeprefix("Skipped: ")
         else:
-            result = f"failed: {(outcome.get('message') or '').splitlines()[0][:100] if outcome.get('message') else ''}"
-        rows.append(Row(f"{case.get('name')}", props.get("gpus", "?"), result, float(case.get("time", 0))))
+            result = "failed: " + ((outcome.get("message") or "").splitlines() or [""])[0][:100]
+        rows.append(Row(case.get("name", "?"), props.get("gpus", "?"), result, float(case.get("time", 0))))
     return rows
 
 
