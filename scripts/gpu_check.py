@@ -60,16 +60,16 @@ def readme_commands(gpus: int) -> list[tuple[str, int, list[str] | None, str]]:
     py = [sys.executable]
     cmds: list[tuple[str, int, list[str] | None, str]] = [
         ("python rpc_rl/main.py --world_size 3", 0, None, "skipped: runs on the CPU (CartPole; no --device)")]
-    for script, ranks, one_gpu in [
-        ("rpc_rnn/main.py", 1, None),
-        ("ddp_rpc/main.py", 2, ["--world_size", "3"]),  # 2 trainers, a GPU each (NCCL); or 1 trainer
-        ("rpc_pipeline_resnet/main.py", 1, None),  # both shards on cuda:0, or a GPU each
-        ("rpc_pipeline_resnet/pipelining.py", 2, None),  # a stage per rank, a GPU each
-        ("pipelining_transformer/main.py", 2, []),  # on one GPU: one rank, every stage
-        ("ddp_rpc/sharded.py", 2, []),
-        ("rpc_rnn/sharded.py", 2, []),
+    # (script, as its README launches it: under torchrun?, GPUs the README's command needs, its flags on one GPU)
+    for script, under_torchrun, ranks, one_gpu in [
+        ("rpc_rnn/main.py", False, 1, None),
+        ("ddp_rpc/main.py", False, 2, ["--world_size", "3"]),  # 2 trainers, a GPU each (NCCL); or 1 trainer
+        ("rpc_pipeline_resnet/main.py", False, 1, None),  # both shards on cuda:0, or a GPU each
+        ("rpc_pipeline_resnet/pipelining.py", True, 2, None),  # a stage per rank, a GPU each
+        ("pipelining_transformer/main.py", True, 2, []),  # on one GPU: one rank, every stage
+        ("ddp_rpc/sharded.py", True, 2, []),
+        ("rpc_rnn/sharded.py", True, 2, []),
     ]:
-        under_torchrun = ranks > 1 and one_gpu != ["--world_size", "3"]  # as each README launches it
         need, extra = (ranks, []) if gpus >= ranks else (1, one_gpu)
         if extra is None or gpus < need:
             why = f"needs {ranks} GPU(s), {gpus} visible" + (f": {NCCL}" if ranks > 1 else "")
