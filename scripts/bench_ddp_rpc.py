@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     iters = (50 if args.quick else 200) if args.iters is None else args.iters
     check_at_least(parser, 1, {"--trainers": trainer_counts, "--batch_sizes": batch_sizes,
                                "--iters": iters, "--warmup": args.warmup, "--rtt_calls": args.rtt_calls})
+    if args.tables and not args.versus:  # without --versus it would be ignored
+        parser.error("--tables needs --versus")
     if args.versus:  # fewer steps: a large table's take a second
         return versus(parser, args, args.iters or (10 if args.quick else 30))
     # every run's flags, checked by the example's own check_args before anything runs

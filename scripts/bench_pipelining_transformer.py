@@ -383,6 +383,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if not any(job[i] == value for job in jobs):
                 why = next(s[3] for s in skipped if s[i] == value)
                 parser.error(f"{flag} {value} runs in none of the configurations ({why})")
+    if not jobs:  # nothing named, and every default skipped: an empty table would exit 0 (issue 45)
+        parser.error(f"--world_size {args.world_size} runs none of the configurations "
+                     f"({'; '.join(sorted({s[3] for s in skipped}))})")
     threads = distkit.threads_per_process(args.world_size)
     local_args = example.build_parser().parse_args(
         [*common, "--world_size", "1", "--threads", str(threads * args.world_size)])

@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     iters = (30 if args.quick else 100) if args.iters is None else args.iters
     check_at_least(parser, 1, {"--iters": iters, "--warmup": args.warmup, "--rtt_calls": args.rtt_calls,
                                "--ranks": args.ranks})
+    if args.ranks and not args.versus:  # sharded.py's ranks: without --versus it would be ignored
+        parser.error("--ranks needs --versus")
     if args.versus:
         return versus(parser, args)
     runs = []  # every run's flags, checked by the example's own check_args before anything runs

@@ -48,6 +48,9 @@ CASES: dict[str, list[tuple[list[str], str]]] = {
         (["--world_size", "9", "--schedules", "GPipe", "--microbatches", "8"], "more than --n_layers 8"),
         (["--world_size", "5", "--schedules", "GPipe", "Interleaved1F1B"],
          "--schedules Interleaved1F1B runs in none of the configurations (10 stages for 8 layers)"),
+        # issue 45: nothing fit 9 ranks, and an empty table exited 0
+        (["--world_size", "9"], "--world_size 9 runs none of the configurations (18 stages for 8 layers; "
+                                "9 stages for 8 layers)"),
         (["--points", "8x8"], "--points needs --sweep"),
         (["--sweep", "--points", "6x8"], "is not divisible by --n_microbatches 8"),
         (["--sweep", "--points", "16"], "a point is BATCHxSEQ"),
@@ -63,13 +66,16 @@ CASES: dict[str, list[tuple[list[str], str]]] = {
         (["--engine", "pipelining", "--schedules", "1F1B", "--splits", "1", "--sweep_splits", "1"],
          "--schedules 1F1B can run none of the configurations"),
     ],
-    "bench_ddp_rpc": [],
+    "bench_ddp_rpc": [(["--tables", "large"], "--tables needs --versus")],
     "bench_rpc_rl": [
         (["--threshold", "600"], "--threshold must be in (0, 500]"),
         (["--world_sizes", "1"], "must be at least 2"),
         (["--solve_sizes", "1"], "must be at least 2"),
     ],
-    "bench_rpc_rnn": [],
+    "bench_rpc_rnn": [
+        (["--ranks", "4"], "--ranks needs --versus"),  # issue 45: ignored, and the run went on
+        (["--versus", "--ranks", "20"], "--world_size 20 is more ranks than --ntoken"),
+    ],
 }
 UNKNOWN = (["--no_such_flag"], "unrecognized arguments: --no_such_flag")
 
