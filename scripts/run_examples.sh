@@ -1,12 +1,30 @@
 #!/usr/bin/env bash
-# Run every example once in its quick CPU configuration (a few minutes on 2 cores).
-# Stops at the first example that fails. PYTHON overrides the interpreter.
+# Run every example once in its quick CPU configuration: about 2 1/4 minutes on 2 idle cores, 3
+# with one of them busy (docs/results.md). Stops at the first example that fails. PYTHON overrides
+# the interpreter. Each example's line says how long the run has taken so far, and a run stopped from
+# outside (timeout, Ctrl+C) says where it was: a limit shorter than the whole run once looked like a
+# stalled example (issue 45, docs/failures.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
+TOTAL=$(grep -c "^run " scripts/run_examples.sh)
+n=0
+now=""
 
-run() { echo; echo "=== $*"; "$@"; }
+# bash runs a trap once its foreground child is gone; timeout and Ctrl+C signal the examples too
+stopped() {
+    echo "run_examples.sh: stopped from outside ($1) after ${SECONDS} s, in example $n of $TOTAL: $now" >&2
+    exit "$2"
+}
+trap 'stopped SIGTERM 143' TERM
+trap 'stopped SIGINT 130' INT
+
+run() {
+    n=$((n + 1)); now="$*"
+    echo; echo "=== [$n/$TOTAL, ${SECONDS} s so far] $*"
+    "$@"
+}
 
 run "$PY" rpc_rl/main.py --world_size 3 --reward_threshold 100
 run "$PY" ddp_rpc/main.py
@@ -17,3 +35,4 @@ run "$PY" rpc_pipeline_resnet/pipelining.py --world_size 2   # the same model, t
 # but torchrun's store listens on every network interface; distkit's launcher listens on
 # loopback only, so a laptop running the quick start opens nothing to the network.
 run "$PY" pipelining_transformer/main.py --world_size 2
+echo; echo "=== all $TOTAL examples ran in ${SECONDS} s"
