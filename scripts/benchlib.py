@@ -29,7 +29,7 @@ def bench_parser(doc: str, plot: str, seed: int = 0,
     p = distkit.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=quick)
     p.add_argument("--seed", type=int, default=seed)
-    p.add_argument("--plot", default=None, help=f"write {plot} here (PNG)")
+    p.add_argument("--plot", default=None, metavar="PATH", help=f"write {plot} here (PNG)")
     return p
 
 

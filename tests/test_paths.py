@@ -85,6 +85,29 @@ def test_bad_path_is_refused_before_launch(module, extra, flag, kind, tmp_path, 
         assert f"{flag} {path}: " in err and message in err, (case, err)
 
 
+PATH_WORDS = ("path", "dir", "file", "log", "plot", "trace", "save", "play", "resume", "out", "record", "json")
+
+
+@pytest.mark.fast
+def test_every_path_flag_of_every_example_and_benchmark_is_in_the_list():
+    """A new flag that names a file or a directory (metavar PATH or DIR) joins ``PATH_FLAGS``, so
+    the test above tries it; a flag whose name sounds like a path must say which it is."""
+    listed = {(m, f) for m, _, f, _ in PATH_FLAGS}
+    found, unclear = set(), []
+    sources = [*REPO.glob("*/*.py"), *REPO.glob("scripts/bench_*.py")]
+    for path in sorted(p for p in sources if "def build_parser" in p.read_text() and p.parent.name != "tests"):
+        module = path.stem if path.parent.name == "scripts" else f"{path.parent.name}.{path.stem}"
+        for action in importlib.import_module(module).build_parser()._actions:
+            flag = max(action.option_strings, key=len, default="")
+            if action.metavar in ("PATH", "DIR"):
+                found.add((module, flag))
+            elif any(word in flag for word in PATH_WORDS) and not isinstance(action.metavar, str) \
+                    and action.nargs != 0 and action.type not in (int, float):
+                unclear.append(f"{module} {flag}")
+    assert found == listed, f"path flags not in PATH_FLAGS: {found - listed}; listed but gone: {listed - found}"
+    assert not unclear, f"flags named like paths without metavar PATH or DIR: {unclear}"
+
+
 @pytest.mark.fast
 def test_good_paths_are_not_refused_and_nothing_is_made(tmp_path):
     """The check says yes to what a run can use, and leaves no trace of having looked."""
