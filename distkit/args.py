@@ -35,13 +35,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc_timeout: float | None = None,
-                    device: bool = True, hang_timeout: float = 120) -> None:
+                    device: bool = True, hang_timeout: float | str = 120) -> None:
     """The launch flags. ``world_size=None``: torchrun or --world_size decides; ``rpc_timeout`` (RPC
-    examples): no RPC waits longer for a gone peer; ``device=False``: CPU only, no --device flag."""
+    examples): no RPC waits longer for a gone peer; ``device=False``: CPU only, no --device flag;
+    ``hang_timeout`` a text: the default is None, and the text says how the example's check_args sets it."""
     g = parser.add_argument_group("launch")
-    g.add_argument("--hang_timeout", type=float, default=hang_timeout, metavar="S",
+    derived = isinstance(hang_timeout, str)
+    g.add_argument("--hang_timeout", type=float, default=None if derived else hang_timeout, metavar="S",
                    help="end the job, with every rank's stack, when no rank has made progress "
-                        "(a module's forward, an optimizer step) for S seconds; 0: never")
+                        "(a module's forward, an optimizer step) for S seconds; 0: never"
+                        + (f" (default: {hang_timeout})" if derived else ""))
     if rpc_timeout is not None:
         g.add_argument("--rpc_timeout", type=float, default=rpc_timeout,
                        help="seconds an RPC may take before it fails")
