@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = distkit.ArgumentParser(description="Pipeline-parallel ResNet50 over RPC")
     add_batch_args(parser)
     distkit.add_launch_args(parser, world_size=3, rpc_timeout=120,  # check_args: default_hang_timeout
-                            hang_timeout="60, or 300 for batches larger than 16 images of 128x128")
+                            hang_timeout="60, or 300 for batches of more pixels than 16 images of 128x128")
     return parser
 
 

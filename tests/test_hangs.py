@@ -129,7 +129,8 @@ def hang_timeout_of(argv: list[str]) -> float:
 
     module = importlib.import_module(argv[0].removesuffix(".py").replace("/", "."))
     parser = module.build_parser()
-    assert "--hang_timeout S" in parser.format_help() and "(default:" in parser.format_help()
+    stated = re.search(r"^ +--hang_timeout S (.*?)(?=^ +-)", parser.format_help(), re.M | re.S)
+    assert stated and "(default: " in stated.group(1), parser.format_help()  # --help says it
     args = parser.parse_args(argv[1:])
     module.check_args(parser, args)  # rpc_pipeline_resnet/main.py's depends on the batch
     return args.hang_timeout
