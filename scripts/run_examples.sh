@@ -7,7 +7,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+SETUP="python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e ."
+# without the README's venv, a python3 without torch would fail with a traceback: say what to run first
+if [[ -z "${PYTHON:-}" ]] && ! { [ -x "$PY" ] && "$PY" -c "import torch, gymnasium" 2>/dev/null; }; then
+    echo "run_examples.sh: no usable .venv here; run the README's set-up first: $SETUP" >&2
+    exit 2
+elif [[ ! -x "$PY" ]]; then
+    echo "run_examples.sh: PYTHON=$PY is not an interpreter that can run; unset it, or run first: $SETUP" >&2
+    exit 2
+fi
 TOTAL=$(grep -c "^run " scripts/run_examples.sh)
 n=0
 now=""

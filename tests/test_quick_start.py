@@ -65,3 +65,18 @@ def test_a_quick_start_stopped_from_outside_says_where_it_was(tmp_path):
     assert proc.returncode == 143, (out, err)
     assert re.search(rf"run_examples.sh: stopped from outside \(SIGTERM\) after \d+ s, in example 1 of \d+: "
                      rf"{re.escape(str(fake))} rpc_rl/main.py", err), err
+
+
+@pytest.mark.parametrize("python", [None, "no/such/python"])
+def test_without_the_venv_the_quick_start_says_what_to_run_first(tmp_path, python):
+    """In a copy of the script with no ``.venv`` beside it (a fresh clone before the set-up),
+    or with PYTHON naming no interpreter: one line naming the set-up command, exit 2."""
+    (tmp_path / "scripts").mkdir()
+    copy = tmp_path / "scripts" / "run_examples.sh"
+    copy.write_text(SCRIPT.read_text())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"} | ({"PYTHON": python} if python else {})
+    proc = subprocess.run(["bash", str(copy)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("run_examples.sh: "), proc.stderr
+    assert "python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e ." in proc.stderr, proc.stderr
+    assert "===" not in proc.stdout, proc.stdout  # no example started
