@@ -169,9 +169,9 @@ def test_torchrun_launch_prints_the_same_lines():
 
 def readme_command(script: str) -> list[str]:
     """The first command of rpc_pipeline_resnet/README.md's code blocks that runs ``script``
-    with ``python``, as argv after ``python`` (its comment dropped)."""
+    with the venv's ``python``, as argv after it (its comment dropped)."""
     text = (REPO / "rpc_pipeline_resnet" / "README.md").read_text()
-    line = next(l for l in text.splitlines() if l.startswith(f"python {script}"))
+    line = next(l for l in text.splitlines() if l.startswith(f".venv/bin/python {script}"))
     return line.split("#")[0].split()[1:]
 
 

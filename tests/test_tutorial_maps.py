@@ -75,10 +75,11 @@ BRIDGE = "## The same pipeline with torch.distributed.pipelining"
 
 
 def test_every_rpc_idea_and_its_pipelining_counterpart_are_on_their_lines():
-    """rpc_pipeline_resnet's bridge: each RPC idea and its pipelining counterpart, both linked."""
-    readme = REPO / "rpc_pipeline_resnet" / "README.md"
+    """rpc_pipeline_resnet's bridge (on its docs page, one link from the README): each RPC idea
+    and its pipelining counterpart, both linked."""
+    readme = REPO / "docs" / "rpc_pipeline_resnet.md"
     rows = map_rows(readme, BRIDGE)
-    files = {rel for _, rel, _ in rows}
+    files = {Path(rel).name for _, rel, _ in rows}
     assert {"main.py", "model.py", "pipelining.py"} <= files and len(rows) >= 16, rows
     assert not problems(readme, BRIDGE), "\n".join(problems(readme, BRIDGE))
 
@@ -88,10 +89,11 @@ TODAY = "## The same model today"
 
 @pytest.mark.parametrize("example", ["ddp_rpc", "rpc_rnn"])
 def test_every_rpc_piece_and_what_replaced_it_are_on_their_lines(example):
-    """The bridge from each RPC piece to its DTensor counterpart in sharded.py, both linked."""
-    readme = REPO / example / "README.md"
+    """The bridge from each RPC piece to its DTensor counterpart in sharded.py, both linked (on
+    the example's docs page; the README's "The same model today" is short and links to it)."""
+    readme = REPO / "docs" / f"{example}.md"
     rows = map_rows(readme, TODAY)
-    assert "sharded.py" in {rel for _, rel, _ in rows} and len(rows) >= 16, rows
+    assert "sharded.py" in {Path(rel).name for _, rel, _ in rows} and len(rows) >= 16, rows
     assert not problems(readme, TODAY), "\n".join(problems(readme, TODAY))
 
 

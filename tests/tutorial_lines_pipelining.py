@@ -61,7 +61,7 @@ PIPELINING_TUTORIAL = [
     ("pipe = pipeline(module=model, mb_args=(example_input_microbatch,), split_spec={...})", "`pipeline(`"),
     ('"layers.4": SplitPoint.BEGINNING', "`SplitPoint.BEGINNING`"),
     ("stage = pipe.build_stage(stage_index, device, pp_group)", "`pipe.build_stage`"),
-    ('if __name__ == "__main__":', "`torchrun --nproc_per_node 2`"),
+    ('if __name__ == "__main__":', "The tutorial's `__main__` runs as:"),
     ("init_distributed()", "`def init_distributed`"),
     ("num_microbatches = 4", "`num_microbatches = 4`"),
     ("model_args = ModelArgs()", "`class ModelArgs`"),
@@ -88,7 +88,7 @@ PIPELINING_TUTORIAL = [
     ("output = schedule.step(target=y, losses=losses)", "`self.schedule.step(target=y, losses=losses)`"),
     ('print(f"losses: {losses}")', '`print(f"losses: {losses}")`'),
     ("dist.destroy_process_group()", "`dist.destroy_process_group()`"),
-    ("torchrun --nnodes 1 --nproc_per_node 2 pipelining_tutorial.py", "`torchrun --nnodes 1 --nproc_per_node 2 ...`"),
+    ("torchrun --nnodes 1 --nproc_per_node 2 pipelining_tutorial.py", "launch with torchrun, `--nnodes 1 --nproc_per_node 2`"),
 ]
 # What the tutorial defines and calls that a learner looks for, as the tutorial wrote it (the
 # check is test_every_tutorial_name_is_in_the_code_or_named_in_what_differs).

@@ -1,0 +1,117 @@
+"""The pages read as lessons: the README a landing page, each example README a tutorial part's
+length in the tutorial's order, tests named only in the closing list, a picture that exists, and
+no page about how the project was built."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import DIFFERS, HEADING, REPO
+from test_tutorial_maps import MARKDOWN
+
+pytestmark = pytest.mark.fast
+
+EXAMPLES = ["rpc_rl", "ddp_rpc", "rpc_rnn", "rpc_pipeline_resnet", "pipelining_transformer"]
+TESTED = "## How this is tested"
+MAX_WORDS = 1500  # a tutorial part runs 733 to 1,541 words
+# the sections a lesson has, in this order (others may stand between them)
+ORDER = ["## Run it", "## What you see", HEADING, DIFFERS, TESTED]
+TEST_NAME = re.compile(r"\btest_\w+|\btests/|\bconftest\b|\bCI\b|\bpytest\b")
+PICTURE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)|<img [^>]*src=\"([^\"]+)\"")
+
+
+def sections(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("## ")]
+
+
+def lesson_problems(readme: Path) -> list[str]:
+    """What keeps an example README from reading as a lesson (empty: nothing)."""
+    text = readme.read_text()
+    found = []
+    if (words := len(text.split())) > MAX_WORDS:
+        found.append(f"{words} words, more than {MAX_WORDS}")
+    heads = sections(text)
+    missing = [h for h in ORDER if h not in heads]
+    if missing:
+        found.append(f"no section {missing}")
+    elif [h for h in heads if h in ORDER] != ORDER:
+        found.append(f"sections out of order: {heads}")
+    elif heads[-1] != TESTED:
+        found.append(f"{TESTED!r} is not the last section: {heads}")
+    learner = text.split(TESTED, 1)[0]
+    found += [f"names a test outside {TESTED!r}: {line.strip()!r}"
+              for line in learner.splitlines() if TEST_NAME.search(line)]
+    pictures = [a or b for a, b in PICTURE.findall(text)]
+    if not pictures:
+        found.append("embeds no picture")
+    found += [f"picture {p} does not exist" for p in pictures if not (readme.parent / p).is_file()]
+    return found
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_example_readme_reads_as_a_lesson(example):
+    problems = lesson_problems(REPO / example / "README.md")
+    assert not problems, "\n".join(problems)
+
+
+def test_a_readme_that_is_no_lesson_fails(tmp_path):
+    readme = tmp_path / "README.md"
+    body = "\n\n".join(["# x", "## Run it", "## What you see", "![loss](loss.png)", HEADING, DIFFERS,
+                        "- `test_x` proves it", TESTED, "- `test_x`"])
+    readme.write_text(body)
+    (tmp_path / "loss.png").write_bytes(b"png")
+    assert lesson_problems(readme) == ["names a test outside '## How this is tested': '- `test_x` proves it'"]
+    readme.write_text(body.replace("- `test_x` proves it", "word " * MAX_WORDS).replace("loss.png", "gone.png")
+                      .replace(f"{TESTED}\n\n- `test_x`", f"{TESTED}\n\n## More"))
+    assert lesson_problems(readme) == [f"{MAX_WORDS + 31} words, more than {MAX_WORDS}",
+                                       f"{TESTED!r} is not the last section: " + str(sections(readme.read_text())),
+                                       "picture gone.png does not exist"]
+
+
+def landing_problems(readme: Path) -> list[str]:
+    """The README's first screen is for learners: up to the end of the examples table, no test,
+    CI or timing under load; the whole at most about 120 lines; RPC's maintenance mode said."""
+    text = readme.read_text()
+    found = []
+    if (n := len(text.splitlines())) > 125:
+        found.append(f"{n} lines, more than about 120")
+    first = text[:text.index("## The examples")] + text[text.index("## The examples"):].split("\n## ", 1)[0]
+    found += [f"the first screen names a test or CI: {line.strip()!r}"
+              for line in first.splitlines() if TEST_NAME.search(line) or "under load" in line or "busy" in line]
+    if "maintenance mode" not in first:
+        found.append("the first screen does not say that torch.distributed.rpc is in maintenance mode")
+    return found
+
+
+def test_the_readme_is_a_landing_page():
+    problems = landing_problems(REPO / "README.md")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_contributors_page_is_linked_once_from_the_readme():
+    text = (REPO / "README.md").read_text()
+    assert (REPO / "CONTRIBUTING.md").is_file()
+    assert text.count("(CONTRIBUTING.md") == 1, "link the contributors' page once"
+
+
+# how the project was made: no page tells it (git keeps the history)
+DIARY = re.compile(r"\b[Ss]ession \d+|\bsession's\b|\b[Ii]ssue \d+|\bissue #?\d+|working day|"
+                   r"\bwas measured by\b|\bin this session\b", re.I)
+
+
+@pytest.mark.parametrize("md", MARKDOWN, ids=[str(m.relative_to(REPO)) for m in MARKDOWN])
+def test_no_page_tells_how_the_project_was_built(md):
+    lines = [line.strip() for line in md.read_text().splitlines() if DIARY.search(line)]
+    assert not lines, "\n".join(lines)
+
+
+@pytest.mark.parametrize("md", MARKDOWN, ids=[str(m.relative_to(REPO)) for m in MARKDOWN])
+def test_a_page_that_names_examples_1385_says_what_it_breaks(md):
+    """pytorch/examples#1385 stepped a local SGD after dist_autograd.backward: the gradients are in
+    the distributed autograd context, not in .grad, so nothing trains. A page that names it warns."""
+    paragraphs = [p for p in md.read_text().split("\n\n") if "1385" in p]
+    for paragraph in paragraphs:
+        flat = " ".join(paragraph.split())
+        assert re.search(r"changes? nothing|trains nothing|not in `\.grad`", flat), flat
