@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.torchrun:
             job.run(run_worker, args)
         else:
-            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
     summary = job.results.get(num_trainers(args.world_size))  # None: the master ran on another machine
     return 0 if summary is None or print_summary(summary) else 1  # print_summary: whether fc stayed identical
 

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.torchrun:
             job.run(run_worker, args)
         else:
-            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
     summary = job.results.get(0)  # None: rank 0 ran on another machine
     return 0 if summary is None or print_summary(summary) else 1
 

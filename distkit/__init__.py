@@ -9,15 +9,15 @@ from .args import (ArgumentParser, add_launch_args, check_finite, check_launch_a
                    check_placements, require_positive)
 from .device import (DeviceError, Placement, agree_on_backend, backend_for, gpu_count, group_placement,
                      pick_device, process_group_args, threads_per_process)
-from .launch import Job, fork_from_server, launch, local_workers, parse_ranks
+from .launch import Job, launch, local_workers, parse_ranks
 from .profiling import profiled
 from .rendezvous import job_store, process_group_store, under_torchrun
-from .worker import Worker, cleanup, exit_process, silence_torchscript_optimizer_warning
+from .worker import Worker, cleanup, exit_now, exit_process, silence_torchscript_optimizer_warning
 
 __all__ = [
     "ArgumentParser", "DeviceError", "Job", "Placement", "Worker", "add_launch_args", "agree_on_backend",
     "backend_for", "check_finite", "check_launch_args", "check_path", "check_placements", "cleanup",
-    "exit_process", "fork_from_server", "gpu_count", "group_placement", "job_store", "launch",
+    "exit_now", "exit_process", "gpu_count", "group_placement", "job_store", "launch",
     "local_workers", "parse_ranks", "pick_device", "process_group_args", "process_group_store", "profiled",
     "require_positive", "silence_torchscript_optimizer_warning", "threads_per_process", "under_torchrun",
 ]

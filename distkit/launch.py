@@ -1,44 +1,40 @@
 """Start the ranks: ``mp.spawn`` on this machine, or this one rank under torchrun (``job.run``).
 
-Every example's ``main()`` writes the tutorial's launch itself::
+Every example's ``main()`` writes the tutorial's launch, and hands the job what it started::
 
     with distkit.Job(args) as job:
-        mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+        job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
 
+``join=False`` rather than ``elastic_launch``: the tutorial's ``mp.spawn`` stays in sight, and the
+``ProcessContext`` it returns holds the job's processes and joins them as ``join=True`` would.
 ``Job`` adds, each piece for the reason beside it:
 - the store, on 127.0.0.1 and a port the OS picks: c10d's listens on every interface, on a set port;
 - torchrun's file timer server: it kills a rank frozen whole (SIGSTOP), which no peer can end;
-- each rank's result, in a file: ``mp.spawn`` returns nothing;
-- the first failure's report (a device refused: exit 2): ``mp.spawn`` reports the first exit it sees;
+- a pipe from the ranks: their results (``mp.spawn`` returns nothing) and failure records, for the
+  first failure's report (``mp.spawn`` reports the first exit it sees; a refused device: exit 2);
 - Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running;
-- ``_watch_stopped``: ``mp.spawn`` gives a stopped rank 30 s to take a SIGTERM it cannot take.
-
-``launch`` is that launch as a function, for tests and benchmarks. After ``fork_from_server`` (the
-tests) it forks the ranks from a server that has imported torch once: spawn's fresh interpreter
-imports it again, about 3 CPU-seconds a rank and most of a small job's time.
+- ``GRACE``: ``mp.spawn`` gives a stopped rank 30 s to take a SIGTERM it cannot take.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import io
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 from torch.distributed.elastic.timer import FileTimerServer
+from torch.multiprocessing.spawn import ProcessContext, ProcessException
 
 from .rendezvous import STORE_TIMEOUT, agent_hosts_store, connect, host_store, under_torchrun
 from .watchdog import TIMER_FILE, TIMER_MARGIN
@@ -47,18 +43,9 @@ from .worker import Worker, die_with_parent, exit_now, run_rank
 # a raising rank waits before it exits: a peer killed by a signal (with RPC's many threads) is slow to
 # be reaped, and mp.spawn blames the first exit it sees (seen in CI: ddp_rpc's parameter server)
 PEER_GRACE = 1.0
-STOPPED_POLL = 0.5  # seconds between the job's looks at its ranks' states
-_start_method = "spawn"  # launch's: mp.spawn's, as in every example's main(); see fork_from_server
-
-
-def fork_from_server(preload: list[str]) -> None:
-    """From now on ``launch`` starts each rank with ``mp.start_processes(..., start_method="forkserver")``:
-    forked from one server process that imported the modules ``preload`` when it started, and given
-    the launcher's environment and stdio of the moment. The examples' own launch (``mp.spawn``) is
-    unchanged."""
-    global _start_method
-    multiprocessing.set_forkserver_preload(preload)
-    _start_method = "forkserver"
+GRACE = 2.0  # after a failure, seconds for the other ranks to end, then to take SIGTERM, before SIGKILL
+POLL = 0.5  # seconds between the job's looks at its ranks
+spawn = mp.spawn  # what ``launch`` calls: mp.spawn, as every main() does (the tests' is tests/forkserver.py)
 
 
 def parse_ranks(spec: str | None, world_size: int) -> list[int]:
@@ -91,41 +78,39 @@ def _env_worker(args: argparse.Namespace) -> Worker:
                   env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0)), args.device)
 
 
-class _Surroundings:
-    """What a rank forked from the server (``fork_from_server``) takes from the launcher as it unpickles
-    this, as a spawned rank does: the environment and stdout/stderr of the moment, not the server's."""
-
-    def __reduce__(self) -> tuple:
-        return _adopt, (dict(os.environ), reduction.DupFd(1), reduction.DupFd(2))
-
-
-def _adopt(environ: dict[str, str], out: Any, err: Any) -> bool:
-    os.environ.clear()
-    os.environ.update(environ)
-    os.dup2(out.detach(), 1)
-    os.dup2(err.detach(), 2)
-    return True
-
-
 def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, ...], addr: str, port: int,
-             job_dir: str, forked: _Surroundings | bool, index: int, args: argparse.Namespace) -> None:
+             timer: str, outbox: tuple, index: int, args: argparse.Namespace) -> None:
     """``fn`` as ``mp.spawn`` calls it (``Job.wrap``): rank ``ranks[index]``, in torchrun's environment."""
-    # mp.spawn's SIGINT when the launcher dies waits for Python's next bytecode, never in a collective.
-    # Forked from the server, that server is the parent: it exits when the launcher does.
-    die_with_parent(None if forked else multiprocessing.parent_process().pid)
+    # mp.spawn's SIGINT when the launcher dies waits for Python's next bytecode, never in a collective
+    die_with_parent(multiprocessing.parent_process().pid)
     rank = ranks[index]
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world_size),
                       LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(len(ranks)),
-                      TORCHELASTIC_USE_AGENT_STORE="True", **{TIMER_FILE: os.path.join(job_dir, "timer")})
-    Path(job_dir, f"{rank}.pid").write_text(f"{os.getpid()} {os.getppid()}")  # for _watch_stopped
+                      TORCHELASTIC_USE_AGENT_STORE="True", **{TIMER_FILE: timer})
+    pipe, lock = outbox
+
+    def post(kind: str, payload: Any) -> None:
+        """A record for the launcher, as torch.save's bytes: a tensor sent as multiprocessing sends it
+        stays in this rank's shared memory, gone if the rank exits before the launcher reads it."""
+        data = io.BytesIO()
+        torch.save((kind, rank, time.time(), payload), data)
+        with lock:  # one record at a time: a large one takes many writes
+            pipe.send_bytes(data.getbuffer())
+
     try:
-        result = run_rank(fn, _env_worker(args), args, failure_file=os.path.join(job_dir, f"{rank}.failed"))
+        result = run_rank(fn, _env_worker(args), args, post)
     except BaseException:
         time.sleep(PEER_GRACE)
         exit_now(1)  # the launcher prints the traceback, once
     if result is not None:
-        torch.save(result, os.path.join(job_dir, f"{rank}.pt"))
+        post("result", result)
     exit_now(0)
+
+
+class _TimerServer(FileTimerServer):
+    def _reap_worker(self, worker_pid: int, sig: int) -> bool:
+        # torch's server kills its own process after a rank it killed: here the launcher, with no report
+        return worker_pid != os.getpid() and super()._reap_worker(worker_pid, sig)
 
 
 class Job:
@@ -137,8 +122,10 @@ class Job:
         self.nprocs = len(self.ranks)
         self.addr, self.port = args.master_addr or "127.0.0.1", args.master_port or 0
         self.results: dict[int, Any] = {}
-        self.timed_out: set[int] = set()  # pids this job's timer killed (pids get reused)
+        self.records: list[tuple[str, int, float, Any]] = []  # (kind, rank, time, payload), each rank's post
+        self.timed_out: set[int] = set()  # pids this job killed as frozen (pids get reused)
         self.hang_timeout = getattr(args, "hang_timeout", 0)  # 0: no watchdog, no timer
+        self.context: ProcessContext | None = None
 
     def __enter__(self) -> Job:
         if self.torchrun:
@@ -154,21 +141,41 @@ class Job:
                 _die(f"cannot listen on {self.addr}:{self.port} for the rendezvous: {e.strerror or e}",
                      status=2)
             self.port = self.store.port
-        self.dir = Path(tempfile.mkdtemp(prefix="distkit-"))
-        self.timer = FileTimerServer(str(self.dir / "timer"), run_id="distkit", max_interval=0.1,
-                                     log_event=self._timer_event)
+        self.dir = tempfile.TemporaryDirectory(prefix="distkit-")
+        self.fifo = os.path.join(self.dir.name, "timer")  # the file timer's
+        self.timer = _TimerServer(self.fifo, run_id="distkit", max_interval=0.1, log_event=self._timer_event)
         self.timer.start()
+        # not a SimpleQueue: the launcher closes its writing end, so that a record half written by a
+        # rank killed meanwhile reads as end-of-file once the ranks are gone, not as a wait for ever
+        spawning = multiprocessing.get_context("spawn")
+        self._inbox, self._outbox = spawning.Pipe(duplex=False)
+        self._lock = spawning.Lock()
         self._old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a KeyboardInterrupt
         # mp.spawn logs a warning for each rank it stops after a failure: the report says so once
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-        self._done = threading.Event()
-        threading.Thread(target=self._watch_stopped, daemon=True, name="distkit-job").start()
         return self
 
     def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> functools.partial[None]:
         """``fn(worker, args)`` as ``mp.spawn``'s ``fn(i, args)``; fn must be module-level."""
-        forked = _Surroundings() if _start_method == "forkserver" else False
-        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, str(self.dir), forked)
+        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, self.fifo,
+                                 (self._outbox, self._lock))
+
+    def join(self, context: ProcessContext) -> None:
+        """Joins the ranks ``mp.spawn(..., join=False)`` started, reading their records meanwhile (a large
+        result fills the pipe), and kills one stopped past its file timer: a rank stopped while writing to
+        the timer's FIFO blocks its server. A failure raises mp.spawn's exception, reported on exit."""
+        self.context = context
+        self._outbox.close()  # the ranks hold their own
+        stopped: dict[int, int] = {}  # pid -> looks in a row that found it stopped (Ctrl+Z stops us too)
+        while not context.join(POLL, grace_period=GRACE):
+            self._read()
+            if self.hang_timeout:
+                pids = [p.pid for p in context.processes if p.exitcode is None]  # not reaped: still ours
+                stopped = {pid: stopped.get(pid, 0) + 1 for pid in pids if _state(pid) in ("T", "t")}
+                for pid, looks in stopped.items():
+                    if looks * POLL > self.hang_timeout + TIMER_MARGIN + 5:  # past the timer's limit
+                        self.timed_out.add(pid)
+                        os.kill(pid, signal.SIGKILL)
 
     def run(self, fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Namespace) -> None:
         """Under torchrun: run this process's rank (torchrun reports a failure itself)."""
@@ -180,75 +187,59 @@ class Job:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
         if self.torchrun:
             return False
-        try:
-            if exc is None:
-                self.results = {int(p.stem): torch.load(p, weights_only=False)
-                                for p in sorted(self.dir.glob("*.pt"))}
-            elif isinstance(exc, KeyboardInterrupt):
-                _die("interrupted; all workers stopped", status=130)
-            elif isinstance(exc, ProcessException):
-                refusals = sorted(self.dir.glob("*.refused"))
-                if refusals:  # a device the job cannot run with: its one line, as for bad flags
-                    _die(refusals[0].read_text(), status=2)
-                _die(self._root_cause(exc))
-        finally:
-            self._done.set()
-            signal.signal(signal.SIGTERM, self._old_term)
-            children = multiprocessing.active_children()  # after an interrupt they still run
-            for p in children:
-                if p.is_alive():
-                    p.terminate()
-            for p in children:
-                p.join(5)
+        try:  # only this job's ranks: after an interrupt they still run (a failure's join ended them)
+            running = [p for p in (self.context.processes if self.context else []) if p.is_alive()]
+            for p in running:
+                p.terminate()
+            for p in running:
+                p.join(5)  # a SIGTERM handler of its own (extras' checkpoint) gets 5 s
                 if p.is_alive():
                     p.kill()
                     p.join(5)
+            if self.context and not isinstance(exc, KeyboardInterrupt):  # not a record cut by one
+                self._read()
+        finally:
+            signal.signal(signal.SIGTERM, self._old_term)
             self.timer.stop()
             self.store = None
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.cleanup()
+        if exc is None:
+            self.results = {rank: value for kind, rank, _, value in self.records if kind == "result"}
+        elif isinstance(exc, KeyboardInterrupt):
+            _die("interrupted; all workers stopped", status=130)
+        elif isinstance(exc, ProcessException):
+            if refused := self._first("refused"):  # a device the job cannot run with: one line, as for bad flags
+                _die(refused[3], status=2)
+            _die(self._root_cause(exc))
         return False
 
-    def _watch_stopped(self) -> None:
-        """Once a rank has exited, SIGCONT the stopped ones for mp.spawn's SIGTERM. Before, SIGKILL one
-        stopped past its file timer (a rank stopped writing to the timer's FIFO blocks its server)."""
-        polls: dict[int, int] = {}  # pid -> polls in a row found it stopped (a Ctrl+Z here counts none)
-        while not self._done.wait(STOPPED_POLL):
-            parents = {}  # pid -> its parent as it started (a .pid file half written is skipped)
-            for path in self.dir.glob("*.pid"):
-                pid, _, parent = path.read_text().partition(" ")
-                if pid.isdigit() and parent.isdigit():
-                    parents[int(pid)] = int(parent)
-            states = {pid: _state(pid) for pid in parents}
-            stopped = [pid for pid, (state, parent) in states.items()  # not a reused pid: its parent too
-                       if state in ("T", "t") and parent == parents[pid]]
-            polls = {pid: polls.get(pid, 0) + 1 for pid in stopped}
-            if any(state in ("Z", "X", None) for state, _ in states.values()):
-                for pid in stopped:
-                    os.kill(pid, signal.SIGCONT)
-            elif self.hang_timeout:
-                limit = self.hang_timeout + TIMER_MARGIN + 5  # the timer's, and then some
-                for pid in [p for p, n in polls.items() if n * STOPPED_POLL > limit]:
-                    self.timed_out.add(pid)
-                    os.kill(pid, signal.SIGKILL)
+    def _read(self) -> None:
+        try:
+            while self._inbox.poll():
+                self.records.append(torch.load(io.BytesIO(self._inbox.recv_bytes()), weights_only=False))
+        except (EOFError, OSError):  # every rank is gone (one killed may have left half a record)
+            pass
 
     def _timer_event(self, name: str, request: Any) -> None:
         if name == "timer expired" and request is not None:
             self.timed_out.add(request.worker_pid)
 
+    def _first(self, kind: str) -> tuple[str, int, float, Any] | None:
+        return min((r for r in self.records if r[0] == kind), key=lambda r: r[2], default=None)
+
     def _root_cause(self, exc: ProcessException) -> str:
         """The failure that came first (exit order says little: ranks record when they raised); a rank
         killed by a signal counts as first, unless the watchdog reported a hang (it ends the stopped)."""
-        if hang := _first_record(self.dir, "hang"):
-            return hang
-        rank = self.ranks[exc.error_index]
-        code = getattr(exc, "exit_code", 1)
+        if hang := self._first("hang"):
+            return f"rank {hang[1]} failed:\n{hang[3]}"
+        rank, code = self.ranks[exc.error_index], getattr(exc, "exit_code", 1)
         if code < 0 and exc.error_pid in self.timed_out:
             return (f"rank {rank} was frozen (no heartbeat for --hang_timeout + "
                     f"{TIMER_MARGIN:g} s) and was killed by its watchdog's timer; the job is stopped")
         if code < 0:
             return f"rank {rank} died (signal {signal.Signals(-code).name}); the job is stopped"
-        if failed := _first_record(self.dir, "failed"):
-            return failed
+        if failed := self._first("failed"):
+            return f"rank {failed[1]} failed:\n{failed[3]}"
         return f"rank {rank} died (exit status {code}); the job is stopped"
 
 
@@ -257,25 +248,17 @@ def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Names
     with Job(args) as job:
         if job.torchrun:
             job.run(fn, args)
-        else:  # mp.spawn(...) is mp.start_processes(..., start_method="spawn")
-            mp.start_processes(job.wrap(fn), args=(args,), nprocs=job.nprocs, join=True, start_method=_start_method)
+        else:
+            job.join(spawn(job.wrap(fn), args=(args,), nprocs=job.nprocs, join=False))
     return job.results
 
 
-def _state(pid: int) -> tuple[str | None, int | None]:
-    """A process's state in /proc (T: stopped, Z: exited) and its parent's pid, or Nones."""
+def _state(pid: int) -> str | None:
+    """A process's state in /proc (T: stopped), or None."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
     except OSError:
-        return None, None
-    return fields[0], int(fields[1])
-
-
-def _first_record(job_dir: Path, kind: str) -> str | None:
-    """``rank N failed:`` and the text of the earliest ``<rank>.<kind>`` record, or None."""
-    first = min(((float(when), int(path.stem), text) for path in job_dir.glob(f"*.{kind}")
-                 for when, _, text in [path.read_text().partition("\n")]), default=None)
-    return f"rank {first[1]} failed:\n{first[2]}" if first else None
+        return None
 
 
 def _die(message: str, status: int = 1) -> None:

@@ -3,23 +3,22 @@ logging, threads, loopback-only sockets, the watchdog and a cleanup that always 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import logging
 import os
 import signal
 import socket
 import sys
-import time
 import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from torch.multiprocessing import _prctl_pr_set_pdeathsig
 
 from . import watchdog
 from .device import DeviceError, pick_device, threads_per_process
@@ -58,13 +57,10 @@ def exit_now(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _record(path: Path, text: str) -> None:
-    """Written whole or not at all: the launcher may read it while this rank writes it."""
-    path.with_name(f"{path.name}.tmp").write_text(text)
-    os.replace(f"{path}.tmp", path)
-
-
-def run_rank(fn: Callable, worker: Worker, args: argparse.Namespace, failure_file: str | None = None) -> Any:
+def run_rank(fn: Callable, worker: Worker, args: argparse.Namespace,
+             post: Callable[[str, Any], None] | None = None) -> Any:
+    """``fn(worker, args)``. Spawned, its failure, hang or refused device goes to ``post(kind, text)``
+    for the launcher's report; under torchrun (``post`` None) a hang or refusal is printed here."""
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     if is_loopback(worker.master_addr) and "lo" in {name for _, name in socket.if_nameindex()}:
         # a job on loopback runs here alone: gloo and TensorPipe would listen on the network too
@@ -74,28 +70,21 @@ def run_rank(fn: Callable, worker: Worker, args: argparse.Namespace, failure_fil
     logging.basicConfig(level=logging.INFO, format=f"[rank {worker.rank}] %(message)s",
                         stream=sys.stdout, force=True)
     torch.set_num_threads(args.threads or threads_per_process(worker.local_world_size))
-
-    def report_hang(message: str) -> None:  # spawned: a .hang record, the cause whichever exit is first
-        if failure_file:
-            _record(Path(failure_file).with_suffix(".hang"), f"{time.time()}\n{message}")
-        else:
-            print(f"error: {message}", file=sys.stderr, flush=True)
-
+    report = post or (lambda kind, message: print(f"error: {message}", file=sys.stderr, flush=True))
     timeout = getattr(args, "hang_timeout", None)  # 0 or None: no watchdog
-    watch = watchdog.Watchdog(worker.rank, worker.world_size, timeout, report_hang).start() if timeout else None
+    hang = functools.partial(report, "hang")
+    watch = watchdog.Watchdog(worker.rank, worker.world_size, timeout, hang).start() if timeout else None
     try:
         result = fn(worker, args)
     except DeviceError as e:  # machines that disagree on the device: one line, exit 2 as for a bad flag
-        if failure_file:
-            _record(Path(failure_file).with_suffix(".refused"), str(e))
+        report("refused", str(e))
         cleanup(graceful=False)
-        if failure_file:
+        if post:
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except BaseException:
-        if failure_file:  # before cleanup: cleaning up is what makes the peers fail next
-            _record(Path(failure_file), f"{time.time()}\n{traceback.format_exc()}")
+        if post:  # before cleanup: cleaning up is what makes the peers fail next
+            post("failed", traceback.format_exc())
         cleanup(graceful=False)
         raise
     cleanup(graceful=True)  # watched too: a graceful shutdown waits for every peer
@@ -135,12 +124,7 @@ def cleanup(graceful: bool = True) -> None:
 
 def die_with_parent(parent: int | None = None) -> None:
     """Linux: SIGKILL when the launcher (``parent``, default: the parent now) dies, even by SIGKILL."""
-    if not sys.platform.startswith("linux"):
-        return
     parent = parent or os.getppid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
+    _prctl_pr_set_pdeathsig(signal.SIGKILL)  # mp.spawn's own call, with SIGINT; nothing off Linux
     if os.getppid() != parent:  # it died before the call: no signal will come for it now
         os.kill(os.getpid(), signal.SIGKILL)

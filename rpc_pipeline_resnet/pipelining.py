@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.torchrun:
             job.run(run_worker, args)
         else:
-            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
     if args.trace is not None and 0 in job.results:
         print(f"torch.profiler traces written to {args.trace}/rank<N>.json")
     return 0

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.torchrun:
             job.run(run_worker, args)
         else:
-            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
     agent = job.results.get(0)
     if agent is not None and not agent["solved"]:
         print(f"Not solved: running reward {agent['running_reward']:.2f} is below {agent['threshold']} after "

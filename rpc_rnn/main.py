@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.torchrun:
             job.run(run_worker, args)
         else:
-            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
     trainer = job.results.get(1)
     if trainer is not None:
         losses = trainer["losses"]

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.torchrun:
             job.run(run_worker, args)
         else:
-            mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=True)
+            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
     result = job.results.get(0)  # None: rank 0 ran on another machine
     if result is not None:
         losses = result["losses"]

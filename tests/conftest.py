@@ -407,22 +407,17 @@ PRELOAD = ["torch", "torch.distributed.rpc", "torch.distributed.pipelining", "di
 @pytest.fixture(autouse=True, scope="session")
 def ranks_forked_from_a_server(workers_round_differently, pytestconfig):
     """``distkit.launch`` in this process forks its ranks from a server that imported ``PRELOAD``
-    once (``distkit.fork_from_server``): spawn's fresh interpreter imports torch and an example
-    again for every rank, about 3 CPU-seconds each. The server starts here, after
-    ``workers_round_differently`` set its variable. Every example run through its command line
-    (``run_cli``) still starts its ranks with ``mp.spawn``; the GPU tier (``-m cuda``) keeps
-    spawn for every launch: it is short, and a forkserver has not been tried on a GPU machine."""
-    import multiprocessing
-
-    import distkit
+    once (tests/forkserver.py): spawn's fresh interpreter imports torch and an example again for
+    every rank, about 3 CPU-seconds each. The server starts here, after ``workers_round_differently``
+    set its variable. Every example run through its command line (``run_cli``) still starts its
+    ranks with ``mp.spawn``; the GPU tier (``-m cuda``) keeps spawn for every launch: it is short,
+    and a forkserver has not been tried on a GPU machine."""
+    import forkserver
 
     if gpu_tier(pytestconfig):
         yield False
         return
-    distkit.fork_from_server(PRELOAD)
-    process = multiprocessing.get_context("forkserver").Process(target=int)
-    process.start()
-    process.join()
+    forkserver.use(PRELOAD)
     yield True
 
 

@@ -7,6 +7,8 @@ import json
 import importlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import distkit
-from conftest import REPO, refused_before_launch, run_cli, run_torchrun
+from conftest import REPO, alive, refused_before_launch, run_cli, run_torchrun
 
 MAX_LINES = 300  # distkit is the little every example needs, not a framework (issue 20)
 
@@ -160,6 +162,38 @@ def test_launch_runs_every_rank_and_returns_results():
     assert all(r == {"sum": 6.0, "threads": 1, "world": 3} for r in out.values())
 
 
+def _large_result(worker: distkit.Worker, args: argparse.Namespace) -> torch.Tensor:
+    return torch.full((1 << 20,), float(worker.rank))  # 4 MiB: many times a pipe's buffer
+
+
+@pytest.mark.timeout(90)
+def test_a_large_result_comes_back_from_a_rank_that_has_exited():
+    """Each rank's result is read while the job joins (written whole, it would wait on a full
+    pipe for ever), as bytes: a tensor shared the way multiprocessing shares it dies with its rank."""
+    out = distkit.launch(_large_result, launch_args("--world_size", "2", "--threads", "1"))
+    assert sorted(out) == [0, 1]
+    assert all(torch.equal(out[r], torch.full((1 << 20,), float(r))) for r in out)
+
+
+@pytest.mark.timeout(90)
+def test_the_job_ends_its_own_ranks_and_no_other_process(tmp_path):
+    """An interrupted or failed job ends the processes it started, not every child of the launcher
+    (this test's process stands in for a program that launches a job beside work of its own)."""
+    import multiprocessing
+
+    bystander = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    bystander.start()
+    try:
+        args = launch_args("--pid_dir", str(tmp_path))
+        args.how = "raise"
+        with pytest.raises(SystemExit):
+            distkit.launch(_failing_worker, args)
+        assert bystander.is_alive()
+    finally:
+        bystander.kill()
+        bystander.join()
+
+
 def _whereabouts(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     print(f"rank {worker.rank} writes to the launcher's stdout", flush=True)
     return {"parent": os.getppid(), "variable": os.environ.get("DISTKIT_TEST_VARIABLE"),
@@ -215,6 +249,59 @@ def test_failed_rank_stops_the_job_loudly(how, message, tmp_path, capsys):
         while time.time() < deadline and _alive(pid):
             time.sleep(0.1)
         assert not _alive(pid), f"worker {pid_file.stem} survived"
+
+
+def _interrupt_the_launcher(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    Path(args.pid_dir, f"{worker.rank}.pid").write_text(str(os.getpid()))
+    while worker.rank == 0 and len(list(Path(args.pid_dir).glob("*.pid"))) < worker.world_size:
+        time.sleep(0.05)
+    if worker.rank == 0:
+        os.kill(args.launcher, signal.SIGTERM)
+    time.sleep(60)
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_to_an_in_process_launcher_ends_its_ranks(tmp_path, capsys):
+    """SIGTERM (as Ctrl+C) to a launcher that goes on living, a test or a benchmark: the job ends
+    its ranks itself (a CLI's ranks would also die with it; these, forked from the server, not)."""
+    args = launch_args("--pid_dir", str(tmp_path))
+    args.launcher = os.getpid()
+    with pytest.raises(SystemExit) as exc:
+        distkit.launch(_interrupt_the_launcher, args)
+    assert exc.value.code == 130
+    assert "error: interrupted; all workers stopped" in capsys.readouterr().err
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2 and not [pid for pid in pids if _alive(pid)], "a rank survived"
+
+
+def _deaf_to_sigint(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # mp.spawn's own signal when the launcher dies
+    Path(args.pid_dir, "rank.pid").write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+DEAF = ("import sys; sys.path[:0] = ['tests']; import distkit, test_distkit; distkit.launch("
+        "test_distkit._deaf_to_sigint, test_distkit.launch_args('--pid_dir', sys.argv[1], world_size=1))")
+
+
+@pytest.mark.timeout(120)
+def test_a_sigkilled_launcher_takes_along_a_rank_that_ignores_sigint(tmp_path):
+    """The parent-death signal is distkit's SIGKILL, not only mp.spawn's SIGINT, which a rank busy in
+    C++ takes late (or, as here, never). A spawned launcher: a forked rank's parent is the server."""
+    launcher = subprocess.Popen([sys.executable, "-c", DEAF, str(tmp_path)], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "rank.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rank = int((tmp_path / "rank.pid").read_text())
+        launcher.kill()
+        deadline = time.monotonic() + 10
+        while alive(rank) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(rank), "the rank outlived its launcher"
+    finally:
+        launcher.kill()
+        launcher.wait()
 
 
 @pytest.mark.timeout(120)
@@ -346,6 +433,29 @@ def test_a_rank_stopped_while_its_timer_server_is_blocked_is_still_killed(monkey
     assert time.monotonic() - start < 30
 
 
+def _frozen_whole(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    from distkit import watchdog
+
+    watchdog.TIMER_MARGIN = 0.0  # this rank's file timer expires --hang_timeout after its last renewal
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+# the job's own look at its stopped ranks waits 600 s more here: only the file timer can end this one
+FROZEN = ("import importlib, sys; sys.path[:0] = ['tests']; import distkit, test_distkit; "
+          "importlib.import_module('distkit.launch').TIMER_MARGIN = 600; distkit.launch("
+          "test_distkit._frozen_whole, test_distkit.launch_args('--hang_timeout', '1', world_size=1))")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_frozen_whole_is_killed_by_its_file_timer_and_reported():
+    """A rank stopped alone (no peer to claim the hang) is killed by the launcher's file timer, and
+    the launcher says so. torch's timer server then kills its own process, here the launcher (exit
+    -9, no report): distkit's does not. In a process of its own, for that reason."""
+    proc = run_cli("-c", FROZEN, timeout=90)
+    assert proc.returncode == 1 and "rank 0 was frozen (no heartbeat" in proc.stderr, proc.stderr
+
+
 def _raise_while_peer_stopped(worker: distkit.Worker, args: argparse.Namespace) -> None:
     stopped = Path(args.pid_dir, "stopped.pid")
     if worker.rank == 1:
@@ -360,7 +470,7 @@ def _raise_while_peer_stopped(worker: distkit.Worker, args: argparse.Namespace) 
 
 def _proc_state(pid_file: Path) -> str | None:
     try:  # the job's own reading of /proc (the module: distkit.launch is also the function)
-        return importlib.import_module("distkit.launch")._state(int(pid_file.read_text()))[0]
+        return importlib.import_module("distkit.launch")._state(int(pid_file.read_text()))
     except (OSError, ValueError):  # not written yet
         return None
 
@@ -368,7 +478,7 @@ def _proc_state(pid_file: Path) -> str | None:
 @pytest.mark.timeout(90)
 def test_a_stopped_rank_is_ended_with_the_job(tmp_path, capsys):
     """A rank stopped (SIGSTOP) when its peer fails cannot take mp.spawn's SIGTERM, which
-    would wait 30 s for it; the job continues it, and the SIGTERM ends it at once."""
+    would wait 30 s for it; the job's join gives it ``GRACE`` s, then SIGKILL."""
     args = launch_args("--pid_dir", str(tmp_path))
     start = time.monotonic()
     with pytest.raises(SystemExit):
