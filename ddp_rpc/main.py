@@ -16,6 +16,7 @@ from torch.distributed.rpc import TensorPipeRpcBackendOptions
 
 import distkit
 from ddp_rpc import trainer
+from distkit.args import at_least, positive
 from ddp_rpc.report import MasterReport, print_summary, wait_for_trainers
 from ddp_rpc.trainer import EMBEDDING_DIM, NUM_EMBEDDINGS, TrainConfig, _run_trainer
 
@@ -32,29 +33,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     """The training flags, shared with sharded.py."""
-    parser.add_argument("--epochs", type=int, default=10, metavar="E",
+    parser.add_argument("--epochs", type=at_least(1), default=10, metavar="E",
                         help="passes over each trainer's batches")
-    parser.add_argument("--batches_per_epoch", type=int, default=10, metavar="B",
+    parser.add_argument("--batches_per_epoch", type=at_least(1), default=10, metavar="B",
                         help="batches per trainer per epoch")
-    parser.add_argument("--batch_size", type=int, default=16, metavar="N", help="bags (samples) per batch")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
-    parser.add_argument("--seed", type=int, default=0, metavar="S",
+    parser.add_argument("--batch_size", type=at_least(1), default=16, metavar="N", help="bags (samples) per batch")
+    parser.add_argument("--lr", type=positive, default=0.05, help="SGD learning rate")
+    parser.add_argument("--seed", type=at_least(0), default=0, metavar="S",
                         help="seeds the weights and every trainer's batches")
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=3)
-    check_train_args(parser, args)
     distkit.check_placements(parser, args, placement)
-
-
-def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for flag in ("epochs", "batches_per_epoch", "batch_size"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    distkit.require_positive(parser, "--lr", args.lr)
-    if args.seed < 0:
-        parser.error(f"--seed must be non-negative, got {args.seed}")
 
 
 def num_trainers(world_size: int) -> int:

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_modul
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distkit
-from ddp_rpc.main import add_train_args, check_train_args
+from ddp_rpc.main import add_train_args
 from ddp_rpc.report import TrainerReport, print_summary
 from ddp_rpc.trainer import EMBEDDING_DIM, MAX_BAG_SIZE, NUM_CLASSES, NUM_EMBEDDINGS, TrainConfig, get_next_batch
 
@@ -37,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=1)
-    check_train_args(parser, args)
     if args.world_size > NUM_EMBEDDINGS:  # RowwiseParallel gives every rank at least one row of the table
         parser.error(f"--world_size {args.world_size} is more ranks than the table has rows ({NUM_EMBEDDINGS})")
     distkit.check_placements(parser, args, placement)

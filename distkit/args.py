@@ -1,5 +1,5 @@
-"""The flags every example shares, and one-line refusals (exit 2) of bad input before launch:
-``check_path`` for every path flag, so that no run trains for an hour and then fails on its path."""
+"""The flags every example shares, and one-line refusals (exit 2) of bad input before launch: argparse
+``type``s refuse a bad value at parse time, a path that cannot serve too, not after an hour of training."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +41,7 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc
     ``hang_timeout`` a text: the default is None, and the text says how the example's check_args sets it."""
     g = parser.add_argument_group("launch")
     derived = isinstance(hang_timeout, str)
-    g.add_argument("--hang_timeout", type=float, default=None if derived else hang_timeout, metavar="S",
+    g.add_argument("--hang_timeout", type=seconds, default=None if derived else hang_timeout, metavar="S",
                    help="end the job, with every rank's stack, when no rank has made progress "
                         "(a module's forward, an optimizer step) for S seconds; 0: never"
                         + (f" (default: {hang_timeout})" if derived else ""))
@@ -63,7 +63,7 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc
                        help="auto uses CUDA (and NCCL) where enough GPUs are visible, else CPU (and gloo)")
     else:
         parser.set_defaults(device="cpu")
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=at_least(1), default=None,
                    help="intra-op threads per process (default: this machine's cores / its processes)")
 
 
@@ -92,18 +92,49 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--world_size must be at most {max_world_size}, got {args.world_size}")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         parser.error(f"--master_port must be in 1..65535, got {args.master_port}")
-    if args.hang_timeout != 0:  # 0 turns the watchdog off; nan or inf would too, silently
-        require_positive(parser, "--hang_timeout", args.hang_timeout)
     if hasattr(args, "rpc_timeout"):  # nan or inf would leave every RPC unbounded
         require_positive(parser, "--rpc_timeout", args.rpc_timeout)
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be at least 1, got {args.threads}")
     try:
         ranks = parse_ranks(args.ranks, args.world_size)
     except ValueError as e:
         parser.error(str(e))
     if 0 not in ranks and (args.master_addr is None or args.master_port is None):
         parser.error("a machine that does not run rank 0 needs --master_addr and --master_port")
+
+
+def _checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert(text)``, refused if not ``ok`` ("argument --lr: must be a positive ...")."""
+    def parse(text: str) -> Any:
+        if not ok(value := convert(text)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    parse.__name__ = convert.__name__  # what argparse's "invalid ... value" names
+    return parse
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    return _checked(int, lambda v: v >= low, f"at least {low}")
+
+
+def up_to(high: float) -> Callable[[str], float]:
+    return _checked(float, lambda v: 0 < v <= high, f"in (0, {high:g}]")
+
+
+positive = _checked(float, lambda v: 0 < v < math.inf, "a positive number")  # nan compares False
+probability = _checked(float, lambda v: 0 <= v < 1, "in [0, 1)")
+seconds = _checked(float, lambda v: 0 <= v < math.inf, "0 (never) or a positive number")
+
+
+def path(kind: str) -> Callable[[str], str]:
+    """A path flag's ``type``: refused unless the path can serve as ``kind`` (``path_problem``)."""
+    def parse(text: str) -> str:
+        if problem := path_problem(text, kind):
+            raise argparse.ArgumentTypeError(f"{text}: {problem}")
+        return text
+
+    parse.__name__ = "path"
+    return parse
 
 
 def require_positive(parser: argparse.ArgumentParser, flag: str, value: float) -> None:
@@ -130,14 +161,9 @@ def check_placements(parser: argparse.ArgumentParser, args: argparse.Namespace,
             parser.error(str(e))
 
 
-PATH_KINDS = ("out_dir", "out_file", "in_file", "in_dir")
-
-
 def path_problem(path: str, kind: str) -> str | None:
-    """Why ``path`` cannot serve as ``kind`` (made or written: ``out_*``; read: ``in_*``), or None.
-    Writing is tried: root passes ``os.access``, and a read-only mount shows only when a file is made."""
-    if kind not in PATH_KINDS:
-        raise ValueError(f"kind must be one of {PATH_KINDS}, got {kind!r}")
+    """Why ``path`` cannot serve as ``kind``, or None: made or written (``out_dir``, ``out_file``), read
+    (``in_file``, ``in_dir``). Writing is tried: root passes ``os.access``; a read-only mount shows only then."""
     given = os.path.abspath(path)
     if kind in ("in_file", "in_dir"):
         want_dir = kind == "in_dir"
@@ -167,8 +193,3 @@ def path_problem(path: str, kind: str) -> str | None:
     except OSError as e:
         return f"cannot write in {nearest} ({e.strerror})"
 
-
-def check_path(parser: argparse.ArgumentParser, flag: str, path: str | None, kind: str) -> None:
-    """One line and exit 2, before anything starts, unless ``path`` (when given) serves as ``kind``."""
-    if path is not None and (problem := path_problem(path, kind)):
-        parser.error(f"{flag} {path}: {problem}")

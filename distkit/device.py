@@ -32,41 +32,38 @@ class Placement:
 
 
 def gpu_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """The CUDA GPUs visible here (``torch.accelerator``'s devices where it is CUDA), or 0: a Mac's GPU
+    (mps) stays out of ``auto``, which keeps a laptop's processes on the CPU with gloo."""
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.accelerator.device_count() if accelerator is not None and accelerator.type == "cuda" else 0
 
 
-def _check_preference(preference: str) -> None:
-    if preference not in DEVICE_CHOICES:
-        raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {preference!r}")
+def _gpu(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+backend_for = dist.get_default_backend_for_device  # NCCL moves CUDA tensors, gloo CPU ones
 
 
 def pick_device(preference: str, index: int = 0, min_gpus: int = 1) -> torch.device:
     """An RPC-only rank's device (``auto``: CUDA where ``min_gpus`` are visible). Slots share GPUs
     (``index % n``): right for ranks that exchange CPU tensors over RPC, never for a process group."""
-    _check_preference(preference)
     n = gpu_count()
     if preference == "cpu" or (preference == "auto" and n < max(1, min_gpus)):
         return torch.device("cpu")
     if n == 0:
         raise DeviceError(NO_GPU)
-    return torch.device("cuda", index % n)
-
-
-def backend_for(device: torch.device) -> str:
-    """NCCL moves CUDA tensors, gloo moves CPU tensors."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    return _gpu(index % n)
 
 
 def group_placement(preference: str, local_index: int, local_members: int) -> Placement:
     """A process-group member's: ``cuda:local_index`` and NCCL where there is a GPU per member here,
     else the CPU and gloo (``auto``) or a refusal (``cuda``): two members on one GPU hang in NCCL."""
-    _check_preference(preference)
     if not 0 <= local_index < local_members:
         raise ValueError(f"local index {local_index} is not within 0..{local_members - 1}")
     n = gpu_count()
     if preference != "cpu" and n >= local_members:
-        device = torch.device("cuda", local_index)
-        return Placement(device, backend_for(device))
+        return Placement(_gpu(local_index), backend_for(_gpu(local_index)))
     if preference == "cuda":
         raise DeviceError(NO_GPU if n == 0 else f"--device cuda: NCCL needs a GPU per process, and this "
                           f"machine runs {local_members} processes of the group with {n} GPU(s) visible "
@@ -98,8 +95,8 @@ def process_group_args(group: str, rank: int, world_size: int, placement: Placem
     every member: ``agree_on_backend``, this rank's GPU set, and the store (default
     ``process_group_store()``: under torchrun, this restart's own)."""
     agree_on_backend(group, rank, world_size, placement)
-    if placement.device.type == "cuda":
-        torch.cuda.set_device(placement.device)
+    if placement.device.type != "cpu":
+        torch.accelerator.set_device_index(placement.device)
     return {"backend": placement.backend, "store": store or process_group_store(), "rank": rank,
             "world_size": world_size}
 

@@ -2,7 +2,6 @@
 micro-batch count: both pipeline examples check it before launch (imported on its own)."""
 from __future__ import annotations
 
-import torch
 import torch.distributed.pipelining as pipelining
 import torch.nn.functional as F
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
@@ -59,15 +58,4 @@ def schedule_problem(schedule: str, world_size: int, n_microbatches: int) -> str
             return str(e).strip().splitlines()[0].replace("  ", " ")
         except Exception:  # a PyTorch whose constructor wants more than the stand-in has
             return None
-    return None
-
-
-def gloo_problem(schedule: str, world_size: int) -> str | None:
-    """Why this PyTorch cannot run ``schedule`` on ``world_size`` ranks with gloo, or None: torch before
-    2.14 starts by sending from each stage to its neighbours, even one on its own rank (a V's middle, any
-    multi-stage schedule on one rank), and gloo cannot send to itself ("Pair is not connected")."""
-    neighbours_itself = is_multi_stage(schedule) and (schedule in V_SHAPED or world_size == 1)
-    if neighbours_itself and torch.__version__ < (2, 14):
-        return (f"torch {torch.__version__} sends between two stages on one rank, which gloo cannot: "
-                f"use torch 2.14 or later, or GPUs (NCCL)")
     return None

@@ -8,7 +8,8 @@ import argparse
 import torch
 
 import distkit
-from distkit.schedules import SCHEDULES, gloo_problem, num_stages_for, schedule_problem
+from distkit.args import at_least, path
+from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem
 from pipelining_transformer import checkpoint
 from pipelining_transformer.layout import StageLayout, stage_bounds
 from pipelining_transformer.model import ModelArgs
@@ -36,26 +37,32 @@ def layer_count(text: str) -> float | str:
                                      f"got {text!r}")
 
 
+def resume_from(text: str) -> str:
+    """--resume's value: ``latest`` (no PATH given: argparse hands its const through here too), or a
+    directory that exists (what is in it, ``check_args`` checks)."""
+    return text if text == "latest" else path("in_dir")(text)
+
+
 def add_extra_args(parser: argparse.ArgumentParser) -> None:
     """The extras' flags, none of them on by default."""
     parser.add_argument("--stage_layers", type=layer_count, nargs="+", default=None, metavar="N",
                         help="layers of each stage (default: as even as can be); 4.5 3.5 cuts "
                              "layer 4 between its attention and feed-forward; 'auto' measures "
                              "and picks the split whose slowest stage is fastest (balance.py)")
-    parser.add_argument("--dp_size", type=int, default=1, metavar="D",
+    parser.add_argument("--dp_size", type=at_least(1), default=1, metavar="D",
                         help="pipeline replicas of world_size / D ranks, each training on 1/D "
                              "of every batch")
-    parser.add_argument("--loss_log", default=None, metavar="PATH",
+    parser.add_argument("--loss_log", type=path("out_file"), default=None, metavar="PATH",
                         help='append {"step": N, "loss": L} to PATH each step (full precision)')
-    parser.add_argument("--trace", default=None, metavar="DIR",
+    parser.add_argument("--trace", type=path("out_dir"), default=None, metavar="DIR",
                         help="write each rank's torch.profiler trace here, rank<r>.json (Chrome "
                              "trace events with the schedule's own spans; opens in Perfetto)")
     ckpt = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
-    ckpt.add_argument("--checkpoint_dir", default=None, metavar="DIR",
+    ckpt.add_argument("--checkpoint_dir", type=path("out_dir"), default=None, metavar="DIR",
                       help="save into DIR/step_<N>/ every --checkpoint_every steps and at the end")
-    ckpt.add_argument("--checkpoint_every", type=int, default=0, metavar="K",
+    ckpt.add_argument("--checkpoint_every", type=at_least(0), default=0, metavar="K",
                       help="steps between checkpoints (0: only at the end)")
-    ckpt.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+    ckpt.add_argument("--resume", type=resume_from, nargs="?", const="latest", default=None, metavar="PATH",
                       help="go on from checkpoint PATH, or (no PATH) from the newest complete "
                            "one in --checkpoint_dir; a fresh start if there is none")
 
@@ -63,10 +70,6 @@ def add_extra_args(parser: argparse.ArgumentParser) -> None:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every check before launch; ``args.resume_path``: the checkpoint --resume resolves to, or None."""
     distkit.check_launch_args(parser, args, min_world_size=1)
-    for flag in ("n_microbatches", "batch_size", "seq_len", "steps", "dim", "n_layers", "n_heads",
-                 "vocab_size", "dp_size"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.world_size % args.dp_size:
         parser.error(f"--world_size {args.world_size} is not divisible by --dp_size {args.dp_size}")
     if args.batch_size % (args.dp_size * args.n_microbatches):  # each replica: equal micro-batches
@@ -75,15 +78,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"{dp}--n_microbatches {args.n_microbatches}")
     if args.dim % args.n_heads:
         parser.error(f"--dim {args.dim} is not divisible by --n_heads {args.n_heads}")
-    if not 0 <= args.dropout < 1:  # also false for nan
-        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    distkit.require_positive(parser, "--lr", args.lr)
-    # every path before anything trains: a run must not fail on one after hours (distkit)
-    distkit.check_path(parser, "--loss_log", args.loss_log, "out_file")
-    distkit.check_path(parser, "--trace", args.trace, "out_dir")
-    distkit.check_path(parser, "--checkpoint_dir", args.checkpoint_dir, "out_dir")
-    if args.resume != "latest":
-        distkit.check_path(parser, "--resume", args.resume, "in_dir")
     pp_size = args.world_size // args.dp_size  # ranks per pipeline replica
     on = f"on {pp_size} ranks" + (f" per replica (--dp_size {args.dp_size})" if args.dp_size > 1 else "")
     n_stages = num_stages_for(args.schedule, pp_size)
@@ -103,11 +97,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                          f"{args.n_layers} (halves allowed), each at least 0.5, the last at least 0")
     if problem := schedule_problem(args.schedule, pp_size, args.n_microbatches):
         parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} {on}: {problem}")
-    on_gloo = args.device == "cpu" or (args.device == "auto" and not distkit.gpu_count())
-    if on_gloo and (problem := gloo_problem(args.schedule, pp_size)):
-        parser.error(f"{args.schedule} {on}: {problem}")
-    if args.checkpoint_every < 0:
-        parser.error(f"--checkpoint_every must be at least 0, got {args.checkpoint_every}")
     if args.checkpoint_every and not args.checkpoint_dir:
         parser.error("--checkpoint_every needs --checkpoint_dir")
     if args.resume == "latest" and not args.checkpoint_dir:

@@ -3,11 +3,33 @@ replica reads its share of every batch (``replica_rows``), its stages' gradients
 the replicas (``shard_over_dp``, FSDP2) and the loss is their mean (``mean_over_replicas``)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
+
+
+@dataclass
+class DistEnv:
+    """The tutorial's globals (rank, device, pp_group, stage_index) as one value: where this rank sits,
+    read from the ("dp", "pp") mesh; one pipeline unless --dp_size."""
+
+    device: torch.device
+    mesh: DeviceMesh
+    pp_group: dist.ProcessGroup = field(init=False)  # this pipeline's ranks: the stages' send/recv
+    pp_rank: int = field(init=False)  # the tutorial's stage_index, with one stage per rank
+    pp_size: int = field(init=False)
+    dp_group: dist.ProcessGroup = field(init=False)  # this rank's stages in the other replicas
+    dp_rank: int = field(init=False)
+    dp_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        pp, dp = self.mesh["pp"], self.mesh["dp"]
+        self.pp_group, self.pp_rank, self.pp_size = pp.get_group(), pp.get_local_rank(), pp.size()
+        self.dp_group, self.dp_rank, self.dp_size = dp.get_group(), dp.get_local_rank(), dp.size()
 
 
 def shard_over_dp(stage: PipelineStage, dp_mesh: DeviceMesh) -> None:

@@ -1,6 +1,6 @@
-"""What is layered on the tutorial's code, one hook per phase: ``on_build`` (build: a gloo workaround,
---dp_size); ``Hooks(...)`` (start: the stages logged, --resume, --trace, the flags' step callbacks
-``LossLog`` and ``Checkpoints``), ``.on_step_end`` (step), ``.on_train_end`` (end: the run's summary).
+"""What is layered on the tutorial's code, each by a call that says what it does: ``on_build`` (a gloo
+workaround, --dp_size); ``resume`` (--resume); ``RunLog`` (the stages, each step's loss and the run's
+summary, and the flags' step callbacks: ``Profile`` for --trace, ``LossLog``, ``Checkpoints``).
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,12 +22,11 @@ from torch.distributed.pipelining import PipelineStage
 import distkit
 from pipelining_transformer import checkpoint, dp
 from pipelining_transformer.cli import data_settings_from, layout_from
-from pipelining_transformer.layout import Place
 
 log = logging.getLogger(__name__)
 
 
-def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: Place) -> list[PipelineStage]:
+def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: dp.DistEnv) -> list[PipelineStage]:
     """The build phase's extras, on the stages the tutorial's split built."""
     for stage in stages:
         _send_contiguous_input_grads(stage)  # torch's pipelining on gloo; harmless on NCCL
@@ -52,32 +50,35 @@ def _send_contiguous_input_grads(stage: PipelineStage) -> None:
     stage.submod.register_forward_pre_hook(hook)
 
 
-class Hooks:
-    """The start, step and end hooks of ``main.train`` (see the module docstring)."""
+def resume(args: argparse.Namespace, pp) -> int:
+    """--resume: the step to go on from (0 for a fresh start), after loading the checkpoint check_args
+    chose, once every rank is seen to have chosen the same (each picks the newest itself; a marker seen
+    by one machine first would split the steps, silently)."""
+    if args.resume is None:
+        return 0
+    chosen: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, args.resume_path)
+    if len(set(chosen)) > 1:
+        raise RuntimeError("the ranks chose different checkpoints to resume from: " +
+                           ", ".join(f"rank {r}: {p}" for r, p in enumerate(chosen)))
+    if not args.resume_path:
+        return 0
+    first_step = checkpoint.load(args.resume_path, parts_of(pp), layout_from(args, pp.layout, pp.env.device))
+    log.info(f"resumed from {args.resume_path} after step {first_step}")
+    return first_step
 
-    def __init__(self, args: argparse.Namespace, pp,
-                 callbacks_for: Callable[[argparse.Namespace, object], list[StepCallback]]) -> None:
-        self.args, self.pp = args, pp
-        replica = f", replica {pp.dp_rank} of {pp.dp_size}" if pp.dp_size > 1 else ""
-        log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.num_stages} "
-                 f"({args.schedule}, {args.split} split{replica}) on {pp.device}")
-        # --resume: the checkpoint check_args chose, once every rank is seen to have chosen the same (each
-        # picks the newest itself; a marker seen by one machine first would split the steps, silently)
-        chosen: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(chosen, args.resume_path)
-        if len(set(chosen)) > 1:
-            raise RuntimeError("the ranks chose different checkpoints to resume from: " +
-                               ", ".join(f"rank {r}: {p}" for r, p in enumerate(chosen)))
-        self.first_step = 0  # the next batch: 0, or the step saved
-        if args.resume_path:
-            self.first_step = checkpoint.load(args.resume_path, parts_of(pp),
-                                              layout_from(args, pp.layout, pp.device))
-            log.info(f"resumed from {args.resume_path} after step {self.first_step}")
-        # --trace: torch.profiler with the schedule's own spans, written to DIR/rank<r>.json at the end
-        self.profiler = contextlib.ExitStack()
-        self.profiler.enter_context(distkit.profiled(args.trace, f"rank{dist.get_rank()}"))
+
+class RunLog:
+    """The run as ``main.train`` reports it: the stages at the start, each step's loss (and the step
+    callbacks), the time, peak memory and losses at the end: what ``run_worker`` returns."""
+
+    def __init__(self, args: argparse.Namespace, pp, callbacks: list[StepCallback]) -> None:
+        self.args, self.pp, self.callbacks = args, pp, callbacks
+        env = pp.env
+        replica = f", replica {env.dp_rank} of {env.dp_size}" if env.dp_size > 1 else ""
+        log.info(f"stages {[s.stage_index for s in pp.stages]} of {pp.layout.num_stages} "
+                 f"({args.schedule}, {args.split} split{replica}) on {env.device}")
         self.losses: list[float] = []
-        self.callbacks = callbacks_for(args, pp)
         self.start = time.perf_counter()
 
     def on_step_end(self, step: int, loss: float | None) -> None:
@@ -86,18 +87,16 @@ class Hooks:
         for callback in self.callbacks:
             callback.on_step_end(step, loss)
 
-    def on_train_end(self) -> dict:
-        self.profiler.close()
+    def on_train_end(self, first_step: int) -> dict:
         seconds = time.perf_counter() - self.start
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak resident; Linux: KiB
-        losses = f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}" if self.losses else ""
-        log.info(f"{self.args.steps - self.first_step} steps in {seconds:.1f} s, "
-                 f"peak memory {peak_mb:.0f} MB{losses}")
         for callback in self.callbacks:
             callback.on_train_end()
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak resident; Linux: KiB
+        losses = f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}" if self.losses else ""
+        log.info(f"{self.args.steps - first_step} steps in {seconds:.1f} s, peak memory {peak_mb:.0f} MB{losses}")
         # what main.run_worker returns to the launcher, with the split the run used (auto's choice)
         return {"losses": self.losses or None, "seconds": seconds, "peak_mb": peak_mb,
-                "first_step": self.first_step, "stage_layers": list(self.pp.layout.stage_layers)}
+                "first_step": first_step, "stage_layers": list(self.pp.layout.stage_layers)}
 
 
 def exit_status(results: dict) -> int:
@@ -111,7 +110,7 @@ def exit_status(results: dict) -> int:
 
 
 class StepCallback:
-    """What ``Hooks`` calls after each step (``loss``: on the reporting rank, else None) and at the end."""
+    """What ``RunLog`` calls after each step (``loss``: on the reporting rank, else None) and at the end."""
 
     def on_step_end(self, step: int, loss: float | None) -> None:
         pass
@@ -151,8 +150,8 @@ class Checkpoints(StepCallback):
     SIGTERM came (a collective): SLURM's preemption, requeue and time limit send one before SIGKILL."""
 
     def __init__(self, args: argparse.Namespace, pp) -> None:
-        self.args, self.parts, self.layout = args, parts_of(pp), layout_from(args, pp.layout, pp.device)
-        self.device, self.terminated = pp.device, False
+        self.args, self.parts, self.layout = args, parts_of(pp), layout_from(args, pp.layout, pp.env.device)
+        self.device, self.terminated = pp.env.device, False
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
@@ -180,8 +179,22 @@ class Checkpoints(StepCallback):
             distkit.exit_now(128 + signal.SIGTERM)  # as SIGTERM's default would have, saved first
 
 
+class Profile(StepCallback):
+    """--trace: torch.profiler with the schedule's own spans, written to DIR/rank<r>.json at the end."""
+
+    def __init__(self, directory: str) -> None:
+        self.profiler = contextlib.ExitStack()
+        self.profiler.enter_context(distkit.profiled(directory, f"rank{dist.get_rank()}"))
+
+    def on_train_end(self) -> None:
+        self.profiler.close()
+
+
 def callbacks_for(args: argparse.Namespace, pp) -> list[StepCallback]:
-    callbacks: list[StepCallback] = [LossLog(args.loss_log)] if args.loss_log and pp.reports else []
+    """The step callbacks the flags ask for."""
+    callbacks: list[StepCallback] = [Profile(args.trace)] if args.trace else []
+    if args.loss_log and pp.reports:
+        callbacks.append(LossLog(args.loss_log))
     if args.checkpoint_dir:
         callbacks.append(Checkpoints(args, pp))
     return callbacks

@@ -10,22 +10,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Protocol
-
-import torch
 
 from distkit.schedules import num_stages_for, stage_indices_for
 from pipelining_transformer import balance
+from pipelining_transformer.dp import DistEnv
 from pipelining_transformer.model import Transformer
-
-
-class Place(Protocol):  # main.DistEnv as layout.py and extras.py see it (main imports them)
-    dp_size: int
-    device: torch.device
-    mesh: torch.distributed.device_mesh.DeviceMesh | None
-    pp_rank: int
-    pp_size: int
-    dp_rank: int
 
 
 def stage_bounds(n_layers: int, num_stages: int, sizes: Sequence[float] | None = None
@@ -91,14 +80,14 @@ class StageLayout:
         return list(zip(models, self.stage_indices))
 
 
-def stage_layout(args: argparse.Namespace, place: Place, model: Transformer) -> StageLayout:
+def stage_layout(args: argparse.Namespace, env: DistEnv, model: Transformer) -> StageLayout:
     """The layout of this run on this rank. With --stage_layers auto it measures ``model``'s
     pieces on the ranks first (a collective: every rank calls this, and all get one answer)."""
-    num_stages = num_stages_for(args.schedule, place.pp_size)
-    rows = args.batch_size // (place.dp_size * args.n_microbatches)  # one micro-batch's
+    num_stages = num_stages_for(args.schedule, env.pp_size)
+    rows = args.batch_size // (env.dp_size * args.n_microbatches)  # one micro-batch's
     sizes = args.stage_layers
     if sizes == "auto":
-        sizes = balance.auto_split(model, rows, args.seq_len, num_stages, place.device).stage_layers
+        sizes = balance.auto_split(model, rows, args.seq_len, num_stages, env.device).stage_layers
     return StageLayout(args.n_layers, tuple(stage_bounds(args.n_layers, num_stages, sizes)),
-                       tuple(stage_indices_for(args.schedule, place.pp_rank, place.pp_size)), rows,
+                       tuple(stage_indices_for(args.schedule, env.pp_rank, env.pp_size)), rows,
                        tuple(sizes) if sizes else None)

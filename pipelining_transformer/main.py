@@ -2,13 +2,13 @@
 
 The tutorial "Introduction to Distributed Pipeline Parallelism", top to bottom (its model in model.py):
 ``init_distributed``, the model cut into stages (``manual_model_split`` or ``tracer_model_split``),
-``ScheduleGPipe`` and the step by role (``PipelineRank.forward_backward``), --steps times; exit status
-0 if the loss fell. Each extra is behind its flag and enters by a named hook (docs/pipelining_transformer.md).
+``ScheduleGPipe`` and the step by role in ``train``, --steps times; exit status 0 if the loss fell.
+Each extra is behind its flag and enters by a named call (extras.py, docs/pipelining_transformer.md).
 Roles: the rank holding stage 0 feeds the tokens (``schedule.step(x)``); the one holding the last stage
 feeds the targets and prints the batch's loss (``schedule.step(target=y, losses=losses)``); any rank in
 between relays activations and gradients (``schedule.step()``); every rank steps an optimizer per stage.
-    python pipelining_transformer/main.py --world_size 2   # spawned here; gloo unless a GPU each
-    torchrun --nproc_per_node 2 pipelining_transformer/main.py   # as the tutorial launches it
+    .venv/bin/python pipelining_transformer/main.py --world_size 2   # spawned here; gloo unless a GPU each
+    .venv/bin/torchrun --nproc_per_node 2 pipelining_transformer/main.py   # as the tutorial launches it
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,33 +25,16 @@ import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
 
 import distkit
+from distkit.args import at_least, positive, probability
 from distkit.schedules import SCHEDULES, is_multi_stage
 from pipelining_transformer import dp, extras
 from pipelining_transformer.cli import add_extra_args, check_args, model_args_from, placement, schedule_name
+from pipelining_transformer.dp import DistEnv
 from pipelining_transformer.layout import StageLayout, stage_layout
 from pipelining_transformer.model import (ModelArgs, Transformer, make_optimizer, synthetic_batch,
                                           tokenwise_loss_fn)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DistEnv:
-    """The tutorial's globals (rank, device, pp_group) as one value, and this rank's place on the mesh."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    pp_group: dist.ProcessGroup  # the ranks of this pipeline: the stages' send/recv
-    mesh: dist.device_mesh.DeviceMesh | None = None
-    dp_size: int = 1
-
-    def __post_init__(self) -> None:
-        self.pp_size: int = self.world_size // self.dp_size
-        self.pp_rank: int = self.rank % self.pp_size  # the tutorial's stage_index, one stage per rank
-        self.dp_rank: int = self.rank // self.pp_size
-        # this rank's stages in the other replicas
-        self.dp_group: dist.ProcessGroup | None = self.mesh["dp"].get_group() if self.mesh is not None else None
 
 
 def init_distributed(where: distkit.Placement, dp_size: int = 1) -> DistEnv:
@@ -60,10 +44,8 @@ def init_distributed(where: distkit.Placement, dp_size: int = 1) -> DistEnv:
     # distkit: one backend on every machine, this rank's GPU, and under torchrun a store of this
     # restart's own, not the one its killed predecessor left
     dist.init_process_group(**distkit.process_group_args("pp", rank, world_size, where))
-    # "a sub-group in the N-D parallel case": of a ("dp", "pp") mesh (dp.py), one pipeline by default
-    mesh = dp.device_mesh(where.device, world_size, dp_size)
-    pp_group = mesh["pp"].get_group()
-    return DistEnv(rank, world_size, where.device, pp_group, mesh, dp_size)
+    # pp_group, "a sub-group in the N-D parallel case": of a ("dp", "pp") mesh, one pipeline by default
+    return DistEnv(where.device, dp.device_mesh(where.device, world_size, dp_size))
 
 
 def manual_model_split(model: Transformer, stage_index: int, num_stages: int, layers: range,
@@ -113,43 +95,26 @@ def build_schedule(stages: list[PipelineStage], name: str, n_microbatches: int):
     return ScheduleGPipe(stages[0], n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
 
 
+@dataclass
 class PipelineRank:
-    """What one rank runs: its stages, the schedule that drives them, an optimizer per stage."""
+    """What one rank holds: its stages, the schedule that drives them, an optimizer per stage."""
 
-    def __init__(self, stages: list[PipelineStage], schedule, optimizers: list[torch.optim.Optimizer],
-                 env: DistEnv, layout: StageLayout) -> None:
-        self.stages, self.schedule, self.optimizers = stages, schedule, optimizers
-        self.layout, self.num_stages, self.device = layout, layout.num_stages, env.device
-        self.dp_rank, self.dp_size, self.dp_group = env.dp_rank, env.dp_size, env.dp_group
-        self.has_first, self.has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-        self.reports = self.has_last and self.dp_rank == 0  # one rank prints the batch's loss
+    stages: list[PipelineStage]
+    schedule: Any
+    optimizers: list[torch.optim.Optimizer]
+    layout: StageLayout
+    env: DistEnv
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
-        """The tutorial's step, by role; the micro-batch losses where the last stage is."""
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)  # step() sums micro-batch grads, divides by their count
-        x, y = x.to(self.device), y.to(self.device)
-        losses: list[torch.Tensor] = []
-        if self.has_first and self.has_last:
-            # ZBVZeroBubble, DualPipeV: a "V" puts the first and the last stage on one rank
-            self.schedule.step(x, target=y, losses=losses)
-        elif self.has_first:
-            self.schedule.step(x)
-        elif self.has_last:
-            self.schedule.step(target=y, losses=losses)
-        else:
-            self.schedule.step()
-        return losses if self.has_last else None
+    def __post_init__(self) -> None:
+        self.has_first, self.has_last = any(s.is_first for s in self.stages), any(s.is_last for s in self.stages)
+        self.reports = self.has_last and self.env.dp_rank == 0  # one rank prints the batch's loss
 
-    def optimizer_step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
-
-    def batch_loss(self, losses: list[torch.Tensor] | None, step: int) -> float | None:
+    def batch_loss(self, losses: list[torch.Tensor], step: int) -> float | None:
         """The batch's mean loss where the last stage is (a collective over the replicas), else None."""
-        if losses is None:
+        if not self.has_last:
             return None
-        loss = dp.mean_over_replicas(torch.stack(losses).detach().mean(), self.dp_size, self.dp_group).item()
+        loss = torch.stack(losses).detach().mean()
+        loss = dp.mean_over_replicas(loss, self.env.dp_size, self.env.dp_group).item()
         return distkit.check_finite(loss, f"step {step + 1}")  # not finite: the run ends
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -174,24 +139,37 @@ def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
     stages = extras.on_build(stages, args, env)  # the build phase's extras (extras.py)
     schedule = build_schedule(stages, args.schedule, args.n_microbatches)
     optimizers = [make_optimizer(args.optimizer, s.submod.parameters(), args.lr) for s in stages]
-    return PipelineRank(stages, schedule, optimizers, env, layout)
+    return PipelineRank(stages, schedule, optimizers, layout, env)
 
 
 def train(args: argparse.Namespace, env: DistEnv, callbacks_for=extras.callbacks_for) -> dict:
-    """The training loop: the tutorial's step, --steps times; the extras enter by three hooks."""
+    """The training loop: the tutorial's step, --steps times; the extras enter by the calls named extras."""
     pp = build_rank(args, env)
-    hooks = extras.Hooks(args, pp, callbacks_for)  # start: --resume, the flags' callbacks
-    for step in range(hooks.first_step, args.steps):
+    first_step = extras.resume(args, pp)  # --resume: the step after the checkpoint's, else 0
+    run = extras.RunLog(args, pp, callbacks_for(args, pp))  # the losses; --trace, --loss_log, checkpoints
+    for step in range(first_step, args.steps):
         # the tutorial's dummy data, made learnable; with --dp_size, this replica's rows of it
         x, y = dp.replica_rows(synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size,
                                                args.seed), env.dp_rank, env.dp_size)
-        losses = pp.forward_backward(x, y)
-        pp.optimizer_step()
+        x, y = x.to(env.device), y.to(env.device)
+        for opt in pp.optimizers:
+            opt.zero_grad(set_to_none=True)  # step() sums micro-batch grads, divides by their count
+        losses: list[torch.Tensor] = []
+        if pp.has_first and pp.has_last:  # ZBVZeroBubble, DualPipeV: a "V" puts both on one rank
+            pp.schedule.step(x, target=y, losses=losses, return_outputs=False)
+        elif pp.has_first:
+            pp.schedule.step(x)
+        elif pp.has_last:  # the outputs (every micro-batch's logits) are not read: not kept, not merged
+            pp.schedule.step(target=y, losses=losses, return_outputs=False)
+        else:
+            pp.schedule.step()
+        for opt in pp.optimizers:
+            opt.step()
         loss = pp.batch_loss(losses, step)  # the batch's mean, where the last stage is
         if pp.reports:
             log.info(f"step {step + 1}/{args.steps}  loss {loss:.4f}")
-        hooks.on_step_end(step, loss if pp.reports else None)  # step: the flags' callbacks
-    return hooks.on_train_end()  # end: the callbacks' last word, and the run's summary
+        run.on_step_end(step, loss if pp.reports else None)
+    return run.on_train_end(first_step)  # the callbacks' last word, and the run's summary
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
@@ -207,21 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"pipeline schedule, one of: {', '.join(SCHEDULES)}")
     parser.add_argument("--split", choices=("manual", "tracer"), default="manual",
                         help="cut the model by deleting parts (manual) or by tracing it (tracer)")
-    parser.add_argument("--n_microbatches", type=int, default=4, metavar="M",
+    parser.add_argument("--n_microbatches", type=at_least(1), default=4, metavar="M",
                         help="micro-batches each batch is cut into")
-    parser.add_argument("--batch_size", type=int, default=8, metavar="B",
+    parser.add_argument("--batch_size", type=at_least(1), default=8, metavar="B",
                         help="sequences per batch (per optimizer step)")
-    parser.add_argument("--seq_len", type=int, default=16, metavar="T", help="tokens per sequence")
-    parser.add_argument("--steps", type=int, default=10, metavar="N", help="optimizer steps")
+    parser.add_argument("--seq_len", type=at_least(1), default=16, metavar="T", help="tokens per sequence")
+    parser.add_argument("--steps", type=at_least(1), default=10, metavar="N", help="optimizer steps")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="one per stage; sgd (momentum 0.9) makes a step a linear function "
                              "of the gradient, for bit-for-bit comparisons")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
+    parser.add_argument("--lr", type=positive, default=1e-3, help="learning rate")
+    parser.add_argument("--seed", type=at_least(0), default=0, help="seeds the weights and the data")
     model = parser.add_argument_group("model (defaults: the tutorial's ModelArgs)")
     defaults = ModelArgs()
     for name in ("dim", "n_layers", "n_heads", "vocab_size", "dropout"):
-        model.add_argument(f"--{name}", type=type(getattr(defaults, name)), default=getattr(defaults, name))
+        model.add_argument(f"--{name}", type=probability if name == "dropout" else at_least(1),
+                           default=getattr(defaults, name))
     add_extra_args(parser)  # --stage_layers, --dp_size, --loss_log, --trace, checkpoints
     # --hang_timeout 60: the longest time without progress in the README's runs was 1.5 s on a loaded 2-core machine,
     # and a stalled quick start should end with every rank's stack within a minute (issue 45)

@@ -22,6 +22,7 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.profiler import record_function
 
 import distkit
+from distkit.args import at_least, path, positive
 from rpc_pipeline_resnet.model import NUM_CLASSES, DistResNet50
 
 log = logging.getLogger(__name__)
@@ -31,17 +32,17 @@ WORKERS = ["worker1", "worker2"]
 
 def add_batch_args(parser: argparse.ArgumentParser) -> None:
     """The flags of the pipeline itself, shared with pipelining.py (the same meaning in both)."""
-    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8], metavar="N",
+    parser.add_argument("--splits", type=at_least(1), nargs="+", default=[1, 2, 4, 8], metavar="N",
                         help="numbers of micro-batches per batch to train and time, one run each")
-    parser.add_argument("--batch_size", type=int, default=16, help="images per batch")
-    parser.add_argument("--image_size", type=int, default=128, help="image width and height")
-    parser.add_argument("--num_batches", type=int, default=3, help="timed batches per run")
-    parser.add_argument("--warmup", type=int, default=1,
+    parser.add_argument("--batch_size", type=at_least(1), default=16, help="images per batch")
+    parser.add_argument("--image_size", type=at_least(1), default=128, help="image width and height")
+    parser.add_argument("--num_batches", type=at_least(1), default=3, help="timed batches per run")
+    parser.add_argument("--warmup", type=at_least(0), default=1,
                         help="untimed batches first (set-up would slow whichever run is first)")
-    parser.add_argument("--num_classes", type=int, default=NUM_CLASSES, help="classes (fc outputs)")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    parser.add_argument("--num_classes", type=at_least(1), default=NUM_CLASSES, help="classes (fc outputs)")
+    parser.add_argument("--lr", type=positive, default=0.05, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
-    parser.add_argument("--trace", default=None, metavar="DIR",
+    parser.add_argument("--trace", type=path("out_dir"), default=None, metavar="DIR",
                         help="each rank's torch.profiler trace, DIR/rankN.json (Perfetto)")
 
 
@@ -68,14 +69,8 @@ def feature_size(image_size: int, halvings: int) -> int:
 
 
 def check_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("batch_size", "image_size", "num_batches", "num_classes"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be at least 0, got {args.warmup}")
-    distkit.require_positive(parser, "--lr", args.lr)
     for n in args.splits:
-        if not 1 <= n <= args.batch_size:
+        if n > args.batch_size:
             parser.error(f"--splits values must be in 1..{args.batch_size} (--batch_size), got {n}")
     smallest = args.batch_size // max(args.splits)
     in_layer3 = smallest * feature_size(args.image_size, 4) ** 2
@@ -86,7 +81,6 @@ def check_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"micro-batches of {smallest} image(s) of {args.image_size}x{args.image_size} "
                      f"give BatchNorm {in_layer3} value(s) per channel in layer3 and {in_layer4} in "
                      f"layer4 (training needs 4 and 2); use a larger --image_size or fewer splits")
-    distkit.check_path(parser, "--trace", args.trace, "out_dir")
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

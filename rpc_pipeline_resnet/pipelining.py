@@ -19,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import distkit
 from distkit.schedules import schedule_problem  # builds the schedule around stand-in stages
-from rpc_pipeline_resnet.main import BatchClock, add_batch_args, check_batch_args, feature_size
+from rpc_pipeline_resnet.main import BatchClock, add_batch_args, check_batch_args
 from rpc_pipeline_resnet.model import ResNetBase, ResNetShard1, ResNetShard2
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def runnable_splits(default: list[int], schedule: str) -> list[int]:
     """The ``--splits`` values of ``default`` this PyTorch's schedule can run on two stages; the others are
-    left out, one line each (torch 2.10's GPipe would refuse the README's command: a micro-batch per stage)."""
+    left out, one line each (1F1B wants a micro-batch per stage: ``--schedule 1F1B`` runs 2, 4 and 8)."""
     problems = {n: schedule_problem(schedule, 2, n) for n in default}
     for n, problem in problems.items():
         if problem and os.environ.get("RANK", "0") == "0":  # under torchrun: once
@@ -61,7 +61,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             # the schedule gives every micro-batch the first's shape (main.py's tensor_split: one image off)
             parser.error(f"--splits values must divide --batch_size {args.batch_size} "
                          f"(torch.distributed.pipelining's micro-batches are equal), got {n}")
-        # PyTorch's own answer, before launch (1F1B wants a micro-batch per stage; so does torch 2.10's GPipe)
+        # PyTorch's own answer, before launch (1F1B wants a micro-batch per stage)
         problem = schedule_problem(args.schedule, 2, n)
         if problem:
             parser.error(f"--schedule {args.schedule} --splits {n}: {problem} "
@@ -98,20 +98,8 @@ class ShardStage(nn.Module):
         return self.fc(torch.flatten(out, 1)) if self.fc is not None else out
 
 
-def shape_hints(stage_index: int, rows: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
-    """``PipelineStage``'s ``input_args``/``output_args`` (meta tensors) before torch 2.14: without them torch
-    2.10 runs the stage on zeros in training mode to learn the shapes, and BatchNorm keeps their statistics."""
-    # private, on purpose: the backup is what matters, and no public API says whether a PipelineStage has it
-    if hasattr(PipelineStage, "_pre_metadata_inference_backup"):
-        return {}
-    size = feature_size(args.image_size, 3)  # layer2's output: what crosses between the stages
-    shapes = [(rows, 3, args.image_size, args.image_size), (rows, 512, size, size), (rows, args.num_classes)]
-    return {"input_args": torch.empty(shapes[stage_index], device="meta"),
-            "output_args": torch.empty(shapes[stage_index + 1], device="meta")}
-
-
 def manual_model_split(stage_index: int, num_stages: int, device: torch.device,
-                       args: argparse.Namespace, num_split: int) -> PipelineStage:
+                       args: argparse.Namespace) -> PipelineStage:
     """Stage 0 holds shard 1's layers, stage 1 shard 2's; seeds as ``DistResNet50``'s."""
     if stage_index == 0:
         shard = ResNetShard1(device, num_classes=args.num_classes, seed=args.seed)
@@ -122,7 +110,6 @@ def manual_model_split(stage_index: int, num_stages: int, device: torch.device,
         stage_index,
         num_stages,
         device,
-        **shape_hints(stage_index, args.batch_size // num_split, args),  # torch 2.10 only
     )
     return stage
 
@@ -133,7 +120,7 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
     """main.py's ``run_master`` on one rank, pipelined by a schedule; returns the losses (rank 1; rank 0 none).
     ``on_batch(stage, i)`` is entered around each batch (``BatchClock``, the benchmark's meters)."""
     stage_index, num_stages = rank, 2  # one stage per rank
-    stage = manual_model_split(stage_index, num_stages, device, args, num_split)
+    stage = manual_model_split(stage_index, num_stages, device, args)
     loss_fn = nn.MSELoss()
     if args.schedule == "GPipe":  # the tutorial's schedule; --schedule 1F1B is built the same way
         schedule = ScheduleGPipe(stage, n_microbatches=num_split, loss_fn=loss_fn)

@@ -16,6 +16,7 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
 import distkit
+from distkit.args import at_least, path, up_to
 from rpc_rl.agent import AGENT_NAME, OBSERVER_NAME
 from rpc_rl.play import load_policy, play
 from rpc_rl.record import AgentRun
@@ -25,23 +26,24 @@ log = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = distkit.ArgumentParser(description="RPC Reinforcement Learning Example")
-    parser.add_argument("--log_interval", type=int, default=10, metavar="N",
+    parser.add_argument("--log_interval", type=at_least(1), default=10, metavar="N",
                         help="interval between training status logs")
-    parser.add_argument("--gamma", type=float, default=0.99, metavar="G",
+    parser.add_argument("--gamma", type=up_to(1), default=0.99, metavar="G",
                         help="how much to value future rewards")
-    parser.add_argument("--seed", type=int, default=1, metavar="S",
+    parser.add_argument("--seed", type=at_least(0), default=1, metavar="S",  # observers seed numpy: >= 0
                         help="random seed for reproducibility")
-    parser.add_argument("--max_episodes", type=int, default=1000, metavar="E",
+    parser.add_argument("--max_episodes", type=at_least(1), default=1000, metavar="E",
                         help="give up (exit status 1) after this many episodes")
-    parser.add_argument("--reward_threshold", type=float, default=None, metavar="R",
+    parser.add_argument("--reward_threshold", type=up_to(500), default=None, metavar="R",
                         help="stop once the running reward passes R (default: CartPole-v1's 475)")
     parser.add_argument("--batch", action="store_true",
                         help="one RPC per step and one batched policy forward for all observers "
                              "(rpc_rl/batched.py) instead of the tutorial's two RPCs per step")
-    parser.add_argument("--save", metavar="PATH", help="write the trained policy here when training ends")
-    parser.add_argument("--play", default=None, metavar="PATH",
+    parser.add_argument("--save", type=path("out_file"), metavar="PATH",
+                        help="write the trained policy here when training ends")
+    parser.add_argument("--play", type=path("in_file"), default=None, metavar="PATH",
                         help="load a saved policy and play --play_episodes episodes here, no RPC")
-    parser.add_argument("--play_episodes", type=int, default=5, metavar="N",
+    parser.add_argument("--play_episodes", type=at_least(1), default=5, metavar="N",
                         help="episodes to play with --play")
     distkit.add_launch_args(parser, world_size=2, rpc_timeout=60, device=False, hang_timeout=60)
     return parser
@@ -49,19 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=2)
-    for flag, value in (("--max_episodes", args.max_episodes), ("--log_interval", args.log_interval)):
-        if value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}")
-    if args.reward_threshold is not None and not 0 < args.reward_threshold <= 500:
-        parser.error(f"--reward_threshold must be in (0, 500], got {args.reward_threshold}")
-    if not 0 < args.gamma <= 1:
-        parser.error(f"--gamma must be in (0, 1], got {args.gamma}")
-    if args.play_episodes < 1:
-        parser.error(f"--play_episodes must be at least 1, got {args.play_episodes}")
-    if args.seed < 0:  # an observer's environment is seeded with seed + rank: numpy needs >= 0
-        parser.error(f"--seed must be at least 0, got {args.seed}")
-    distkit.check_path(parser, "--play", args.play, "in_file")
-    distkit.check_path(parser, "--save", args.save, "out_file")
     distkit.check_placements(parser, args, placement)
 
 

@@ -20,6 +20,7 @@ import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
 
 import distkit
+from distkit.args import at_least, positive, probability
 from rpc_rnn.record import TrainingRecord
 from rpc_rnn.rnn import PS_NAME, TRAINER_NAME, RNNModel
 
@@ -35,48 +36,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     """The model's, the data's and the training's flags, shared with sharded.py."""
-    parser.add_argument("--epochs", type=int, default=10, help="passes over the data")
-    parser.add_argument("--batches", type=int, default=40,
+    parser.add_argument("--epochs", type=at_least(1), default=10, help="passes over the data")
+    parser.add_argument("--batches", type=at_least(1), default=40,
                         help="batches per epoch (consecutive chunks of one token stream)")
-    parser.add_argument("--seq_len", type=int, default=5, help="time steps per batch (the tutorial's `batch`)")
-    parser.add_argument("--batch_size", type=int, default=8,
+    parser.add_argument("--seq_len", type=at_least(1), default=5,
+                        help="time steps per batch (the tutorial's `batch`)")
+    parser.add_argument("--batch_size", type=at_least(1), default=8,
                         help="sequences per batch (the tutorial's `nindices`)")
-    parser.add_argument("--ntoken", type=int, default=10, help="vocabulary size")
-    parser.add_argument("--ninp", type=int, default=16, help="embedding size")
-    parser.add_argument("--nhid", type=int, default=32, help="LSTM hidden size")
-    parser.add_argument("--nlayers", type=int, default=2, help="LSTM layers")
-    parser.add_argument("--dropout", type=float, default=0.1, help="dropout probability")
-    parser.add_argument("--pattern_len", type=int, default=16,
+    parser.add_argument("--ntoken", type=at_least(2), default=10, help="vocabulary size")
+    parser.add_argument("--ninp", type=at_least(1), default=16, help="embedding size")
+    parser.add_argument("--nhid", type=at_least(1), default=32, help="LSTM hidden size")
+    parser.add_argument("--nlayers", type=at_least(1), default=2, help="LSTM layers")
+    parser.add_argument("--dropout", type=probability, default=0.1, help="dropout probability")
+    parser.add_argument("--pattern_len", type=at_least(2), default=16,
                         help="length of the repeating token pattern to learn")
-    parser.add_argument("--lr", type=float, default=2.0,
+    parser.add_argument("--lr", type=positive, default=2.0,
                         help="SGD learning rate (the tutorial's 0.05 barely moves this model)")
     parser.add_argument("--seed", type=int, default=1, help="seeds the data and the weights")
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=2, max_world_size=2)
-    check_train_args(parser, args)
     distkit.check_placements(parser, args, placement)
 
 
-def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("epochs", "batches", "seq_len", "batch_size", "ninp", "nhid", "nlayers"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    for name in ("ntoken", "pattern_len"):
-        if getattr(args, name) < 2:
-            parser.error(f"--{name} must be at least 2, got {getattr(args, name)}")
-    if not 0 <= args.dropout < 1:
-        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    distkit.require_positive(parser, "--lr", args.lr)
-
-
 def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """The parameter server: its embedding table on a GPU of its machine where it has one
-    (what ``EmbeddingTable`` picks there). The trainer: the CPU. No process group."""
-    if worker.rank == 0:
-        return distkit.Placement(distkit.pick_device(args.device, worker.local_rank))
-    return distkit.Placement(torch.device("cpu"))
+    """The parameter server: ``ps_device``. The trainer: the CPU. No process group."""
+    return distkit.Placement(ps_device(args) if worker.rank == 0 else torch.device("cpu"))
+
+
+def ps_device(args: argparse.Namespace) -> torch.device:
+    """The embedding table's device: a GPU of the parameter server's machine where it has one (rank 0 is
+    its machine's first process). Decided there: the trainer asks by RPC and passes it to ``RNNModel``."""
+    return distkit.pick_device(args.device)
 
 
 def make_stream(ntoken: int, pattern_len: int, batch_size: int, length: int, seed: int) -> torch.Tensor:
@@ -100,7 +92,7 @@ def get_next_batch(stream: torch.Tensor, seq_len: int) -> Iterator[tuple[torch.T
 def run_trainer(args: argparse.Namespace) -> dict:
     """The tutorial's training loop (on the trainer), its sizes from the flags; ``record``: beyond it."""
     model = RNNModel(PS_NAME, args.ntoken, args.ninp, args.nhid, args.nlayers,
-                     args.dropout, args.device, seed=args.seed)
+                     args.dropout, rpc.rpc_sync(PS_NAME, ps_device, args=(args,)), seed=args.seed)
     # one local SGD per parameter owner: one on ps (embedding, decoder), one here (LSTM)
     opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=args.lr)
     criterion = nn.CrossEntropyLoss()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -12,8 +11,6 @@ import torch
 import torch.distributed.rpc as rpc
 import torch.nn as nn
 from torch.distributed.rpc import RRef
-
-import distkit
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +44,13 @@ def _uniform_(weight: torch.Tensor, seed: int | None) -> None:
 
 
 class EmbeddingTable(nn.Module):
-    """Encoding layer of the RNNModel, made on the parameter server by ``rpc.remote`` (on its GPU if any)."""
+    """Encoding layer of the RNNModel, made on the parameter server by ``rpc.remote``, on ``device``
+    (main.py's ``ps_device``: the server's GPU if it has one)."""
 
-    def __init__(self, ntoken: int, ninp: int, dropout: float, device: str = "auto",
+    def __init__(self, ntoken: int, ninp: int, dropout: float, device: torch.device | str = "cpu",
                  seed: int | None = None) -> None:
         super().__init__()
-        # This constructor runs on the parameter server: the GPU it finds is the server's, not the trainer's
-        self.device = distkit.pick_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.device = torch.device(device)
         self.drop = nn.Dropout(dropout)
         self.encoder = nn.Embedding(ntoken, ninp)
         # initialised before the move, so a seed gives the same weights on CPU and GPU
@@ -85,7 +82,7 @@ class RNNModel(nn.Module):
     holds only the LSTM's; ``parameter_rrefs()`` reaches all)."""
 
     def __init__(self, ps: str, ntoken: int, ninp: int, nhid: int, nlayers: int,
-                 dropout: float = 0.5, device: str = "auto", seed: int = 0) -> None:
+                 dropout: float = 0.5, device: torch.device | str = "cpu", seed: int = 0) -> None:
         super().__init__()
         # setup embedding table remotely (each remote module gets its own seed: see _uniform_)
         self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout, device, seed))

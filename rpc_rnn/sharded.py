@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 import distkit
-from rpc_rnn.main import add_train_args, check_train_args, get_next_batch, make_stream
+from rpc_rnn.main import add_train_args, get_next_batch, make_stream
 from rpc_rnn.record import TrainingRecord
 from rpc_rnn.rnn import Decoder, _uniform_
 
@@ -37,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=1)
-    check_train_args(parser, args)
     if args.world_size > args.ntoken:  # a rank holding no row of the vocabulary fails in its first lookup
         parser.error(f"--world_size {args.world_size} is more ranks than --ntoken {args.ntoken} has rows to share")
     distkit.check_placements(parser, args, placement)

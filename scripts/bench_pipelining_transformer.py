@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import astuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from benchlib import (bench_parser, check_at_least, describe_machine, example_args, format_table, median, parse,
                       save_plot)
 import distkit
 import pipelining_transformer.main as example
-from distkit.schedules import SCHEDULES, gloo_problem, num_stages_for, schedule_problem
+from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem, stage_indices_for
 from pipelining_transformer.cli import layer_count
-from pipelining_transformer.main import PipelineRank
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 from pipeline_plan import plan
 import stagetrace
@@ -58,8 +58,18 @@ def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
         stagetrace.end_step()
 
     stagetrace.record_into(recorder)
-    PipelineRank.forward_backward = timed(PipelineRank.forward_backward, end_schedule)
-    PipelineRank.optimizer_step = timed(PipelineRank.optimizer_step, lambda a, b: clocks["step_ends"].append(b))
+    # the example's train(): its schedule's step timed, and each step's end: its last optimizer's step
+    for cls in {next(c for c in cls.__mro__ if "step" in vars(c)) for cls in SCHEDULES.values()}:
+        cls.step = timed(cls.step, end_schedule)
+    stages = len(stage_indices_for(args.schedule, worker.rank, args.world_size))  # an optimizer each
+    optimizer_steps = []
+
+    def end_step(*_) -> None:  # after the rank's last optimizer of a step
+        optimizer_steps.append(time.perf_counter())
+        if len(optimizer_steps) % stages == 0:
+            clocks["step_ends"].append(optimizer_steps[-1])
+
+    register_optimizer_step_post_hook(end_step)
     # the result's "stage_layers": the split the run used (auto: as chosen)
     return {**example.run_worker(worker, args), **clocks}
 
@@ -360,8 +370,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for label, flags in splits(args):
         for schedule in schedules:
             for m in microbatches:
-                problem = (schedule_problem(schedule, args.world_size, m)
-                           or gloo_problem(schedule, args.world_size))  # the benchmark runs on the CPU
+                problem = schedule_problem(schedule, args.world_size, m)
                 counts = flags[1:] if flags[1:] != ["auto"] else []
                 n_stages = num_stages_for(schedule, args.world_size)
                 if counts and len(counts) != n_stages:

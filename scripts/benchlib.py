@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
+from distkit.args import at_least, path  # noqa: E402
 
 
 def bench_parser(doc: str, plot: str, seed: int = 0,
@@ -28,17 +29,14 @@ def bench_parser(doc: str, plot: str, seed: int = 0,
     """The flags every benchmark has; its description: the first line of its docstring ``doc``."""
     p = distkit.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=quick)
-    p.add_argument("--seed", type=int, default=seed)
-    p.add_argument("--plot", default=None, metavar="PATH", help=f"write {plot} here (PNG)")
+    p.add_argument("--seed", type=at_least(0), default=seed)
+    p.add_argument("--plot", type=path("out_file"), default=None, metavar="PATH", help=f"write {plot} here (PNG)")
     return p
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``argv`` parsed, a --plot that cannot be written and a negative --seed refused."""
-    args = parser.parse_args(argv)
-    distkit.check_path(parser, "--plot", args.plot, "out_file")
-    check_at_least(parser, 0, {"--seed": args.seed})
-    return args
+    """``argv`` parsed (a --plot that cannot be written and a negative --seed are refused by their types)."""
+    return parser.parse_args(argv)
 
 
 def example_args(parser: argparse.ArgumentParser, example: ModuleType, argv: list[str]) -> argparse.Namespace:

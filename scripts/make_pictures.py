@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))  # distkit and the examples
 import distkit  # noqa: E402
+from distkit.args import path  # noqa: E402
 import stagetrace  # noqa: E402
 from resnet_meters import steady_malloc  # noqa: E402
 
@@ -561,7 +562,7 @@ TITLES = {
 def build_parser() -> argparse.ArgumentParser:
     p = distkit.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes (the test's): about a minute on 2 cores")
-    p.add_argument("--out", default=str(OUT), metavar="DIR", help="where the PNGs go")
+    p.add_argument("--out", type=path("out_dir"), default=str(OUT), metavar="DIR", help="where the PNGs go")
     p.add_argument("--only", nargs="+", choices=PICTURES, default=None, metavar="NAME",
                    help=f"make these only (default: all of {', '.join(PICTURES)})")
     return p
@@ -572,7 +573,6 @@ def main(argv: list[str] | None = None) -> dict[str, Curves | list[Timeline]]:
     Exits with status 1, after drawing them all, if a parity picture's two series disagree."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    distkit.check_path(parser, "--out", args.out, "out_dir")
     out, made, disagree = Path(args.out), {}, []
     for name in dict.fromkeys(args.only or PICTURES):
         start = time.perf_counter()

@@ -164,7 +164,7 @@ EXAMPLES = {
          "--num_batches", "1"),
         0, "torch.distributed.autograd:backward"),
     # the same ResNet halves with torch.distributed.pipelining: rank 1 computes the loss;
-    # --splits 2, since torch 2.10's GPipe refuses 1 split for 2 stages
+    # --splits 2: one split value, a short run
     "rpc_pipeline_resnet.pipelining": Example(
         ("rpc_pipeline_resnet/pipelining.py", "--batch_size", "4", "--image_size", "32",
          "--splits", "2", "--num_batches", "100000"),
@@ -177,7 +177,7 @@ EXAMPLES = {
         ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "100000"),
         r"step 1/",
         ("pipelining_transformer/main.py", "--world_size", "2", *TINY_GPT, "--steps", "4"),
-        1, "pipelining_transformer.main:PipelineRank.optimizer_step",
+        1, "torch.optim.adamw:AdamW.step",
         diverge=("--lr", "1e30")),
 }
 

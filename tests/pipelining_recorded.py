@@ -21,26 +21,26 @@ class Recorder(extras.StepCallback):
     returned, the batch loss computed from them, the loss handed to the callbacks (the one
     the run reports, None elsewhere), and each parameter's gradient and value after the step.
 
-    It is one more step callback, plus a wrap of this rank object's ``forward_backward`` and
-    ``batch_loss``: the step itself is the one a user's run executes.
+    It is one more step callback, plus a wrap of this rank object's ``schedule.step`` (to see the
+    micro-batch losses it fills in) and ``batch_loss``: the step itself is the one a user's run executes.
     """
 
     def __init__(self, pp, whole: Callable[[torch.Tensor | None], torch.Tensor | None]) -> None:
         self.pp, self.whole = pp, whole
         self.out: dict = {"losses": None, "batch_loss": None}
-        step, batch_loss = pp.forward_backward, pp.batch_loss
+        schedule_step, batch_loss = pp.schedule.step, pp.batch_loss
 
-        def recording_step(x, y):
-            losses = step(x, y)
-            if losses is not None:
+        def recording_schedule_step(*args, losses=None, **kwargs):
+            out = schedule_step(*args, losses=losses, **kwargs)
+            if pp.has_last:
                 self.out["losses"] = torch.stack(losses).detach().cpu()
-            return losses
+            return out
 
         def recording_batch_loss(losses, step):
             self.out["batch_loss"] = batch_loss(losses, step)  # None where no last stage is
             return self.out["batch_loss"]
 
-        pp.forward_backward, pp.batch_loss = recording_step, recording_batch_loss
+        pp.schedule.step, pp.batch_loss = recording_schedule_step, recording_batch_loss
 
     def on_step_end(self, step: int, loss: float | None) -> None:
         # every rank of a dp group walks the same parameters in the same order: the

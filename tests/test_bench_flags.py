@@ -67,6 +67,7 @@ CASES: dict[str, list[tuple[list[str], str]]] = {
          "--schedules 1F1B can run none of the configurations"),
     ],
     "bench_ddp_rpc": [(["--tables", "large"], "--tables needs --versus")],
+    "bench_return_outputs": [(["--steps", "2", "--warmup", "2"], "--steps must be more than --warmup")],
     "bench_rpc_rl": [
         (["--threshold", "600"], "--threshold must be in (0, 500]"),
         (["--world_sizes", "1"], "must be at least 2"),
@@ -92,13 +93,14 @@ def derived_cases(parser: argparse.ArgumentParser) -> list[tuple[list[str], str]
         def case(value: str) -> tuple[list[str], str]:
             return [flag, *[value] * n], flag
 
-        if action.choices is not None or action.type not in (None, int, float, str):
+        kind = getattr(action.type, "__name__", None)  # distkit.args' types: "int", "float", "path"
+        if action.choices is not None or kind not in (None, "int", "float", "str", "path"):
             cases.append(case("bogus"))
-        elif action.type is int:
+        elif kind == "int":
             cases.append(case("-1"))
             if flag != "--seed":
                 cases.append(case("0"))
-        elif action.type is float:
+        elif kind == "float":
             cases.append(case("nan"))
     return cases
 

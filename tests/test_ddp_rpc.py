@@ -216,13 +216,13 @@ def test_bad_input_is_one_line_exit_2():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--epochs", "ten"], "invalid int value"),
-    (["--epochs", "0"], "--epochs must be at least 1"),
-    (["--batches_per_epoch", "0"], "--batches_per_epoch must be at least 1"),
-    (["--batch_size", "-4"], "--batch_size must be at least 1"),
-    (["--lr", "0"], "--lr must be a positive number"),
-    (["--lr", "nan"], "--lr must be a positive number"),
-    (["--seed", "-1"], "--seed must be non-negative"),
+    (["--epochs", "ten"], "argument --epochs: invalid int value: 'ten'"),
+    (["--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
+    (["--batches_per_epoch", "0"], "argument --batches_per_epoch: must be at least 1, got 0"),
+    (["--batch_size", "-4"], "argument --batch_size: must be at least 1, got -4"),
+    (["--lr", "0"], "argument --lr: must be a positive number, got 0.0"),
+    (["--lr", "nan"], "argument --lr: must be a positive number, got nan"),
+    (["--seed", "-1"], "argument --seed: must be at least 0, got -1"),
     (["--device", "cuda"], "--device cuda was asked for, but no CUDA device is visible"),  # tests hide the GPUs
 ])
 def test_bad_values_rejected_before_launch(argv, message, capsys, monkeypatch):
@@ -331,12 +331,12 @@ def test_concurrent_optimizer_steps_on_the_table_lose_no_update():
 
 @pytest.mark.parametrize("module, argv, message", [
     ("ddp_rpc.sharded", ["--world_size", "0"], "--world_size must be at least 1"),
-    ("ddp_rpc.sharded", ["--batch_size", "0"], "--batch_size must be at least 1"),
+    ("ddp_rpc.sharded", ["--batch_size", "0"], "argument --batch_size: must be at least 1, got 0"),
     ("ddp_rpc.sharded", ["--device", "cuda"], "--device cuda was asked for, but no CUDA device is visible"),
     ("ddp_rpc.sharded", ["--world_size", "101"], "--world_size 101 is more ranks than the table has rows (100)"),
     ("rpc_rnn.sharded", ["--world_size", "4", "--ntoken", "3"], "--world_size 4 is more ranks than --ntoken 3"),
     ("rpc_rnn.sharded", ["--world_size", "0"], "--world_size must be at least 1"),
-    ("rpc_rnn.sharded", ["--ntoken", "1"], "--ntoken must be at least 2"),
+    ("rpc_rnn.sharded", ["--ntoken", "1"], "argument --ntoken: must be at least 2, got 1"),
     ("rpc_rnn.sharded", ["--device", "cuda"], "--device cuda was asked for, but no CUDA device is visible"),
 ])
 def test_the_sharded_versions_refuse_bad_input_before_launch(module, argv, message, capsys, monkeypatch):

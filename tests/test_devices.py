@@ -1,8 +1,8 @@
 """Every example's device decision for every rank, with 0, 1, 2 or 8 GPUs faked on the CPU.
 
 Each example's ``placement(worker, args)`` is what its workers use (and what its
-``check_args`` asks for every local process before any starts); here ``torch.cuda`` is made
-to report N GPUs, and each rank's device and backend, or the one-line refusal, is checked.
+``check_args`` asks for every local process before any starts); here ``torch.accelerator`` is made
+to report N CUDA GPUs, and each rank's device and backend, or the one-line refusal, is checked.
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ pytestmark = pytest.mark.fast  # also on Python 3.10 and 3.13 (.ci/run)
 
 
 def fake_gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """``torch.accelerator`` sees ``n`` CUDA GPUs (through ``torch.cuda``), on any build of torch."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *_, **__: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
 
@@ -81,8 +83,7 @@ CASES = {
     # rpc_rl offers no --device (None: the flag is left out): the CPU, whatever is visible
     ("rpc_rl", None): {n: ["cpu"] * 3 for n in (0, 1, 2, 8)},
 }
-# --splits 2: torch 2.10's GPipe refuses the default's 1 split for 2 stages
-WORLD = {"rpc_rl": ("--world_size", "3"), "rpc_pipeline_resnet.pipelining": ("--splits", "2")}
+WORLD = {"rpc_rl": ("--world_size", "3")}
 
 
 @pytest.mark.parametrize("example, device, gpus",
@@ -150,18 +151,14 @@ def test_backend_disagreement_names_each_machine():
 
 def _stage_seeing_its_own_gpus(worker: distkit.Worker, args: argparse.Namespace) -> None:
     """A pipeline rank on a "machine" of its own: rank 0's sees 2 GPUs, rank 1's none."""
-    n = 2 if worker.rank == 0 else 0
-    torch.cuda.is_available = lambda: n > 0
-    torch.cuda.device_count = lambda: n
+    fake_gpus(pytest.MonkeyPatch(), 2 if worker.rank == 0 else 0)
     # the placement every rank computes, as run_worker does: stop before NCCL is tried
     init_distributed(pipelining_transformer.placement(worker, args))
     raise AssertionError("init_distributed went on with different backends")
 
 
 def _trainer_seeing_its_own_gpus(worker: distkit.Worker, args: argparse.Namespace) -> None:
-    n = 2 if worker.rank == 0 else 0
-    torch.cuda.is_available = lambda: n > 0
-    torch.cuda.device_count = lambda: n
+    fake_gpus(pytest.MonkeyPatch(), 2 if worker.rank == 0 else 0)
     ddp_rpc.run_worker(worker, args)
 
 
@@ -189,3 +186,12 @@ def test_pipelining_cuda_without_gpu_is_refused_before_spawn(capsys, monkeypatch
     from pipelining_transformer.main import main
 
     assert NO_GPU in refused_before_launch(main, ["--device", "cuda"], capsys, monkeypatch)
+
+
+def test_a_macs_gpu_leaves_auto_on_the_cpu(monkeypatch):
+    """An Apple GPU (torch.accelerator's mps) is no CUDA GPU: a laptop's ranks stay on the CPU and gloo."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *_, **__: torch.device("mps"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    assert distkit.gpu_count() == 0
+    assert distkit.group_placement("auto", 0, 1) == distkit.Placement(torch.device("cpu"), "gloo")
+    assert distkit.pick_device("auto") == torch.device("cpu")

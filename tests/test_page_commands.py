@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from test_tutorial_maps import MARKDOWN
+from test_tutorial_maps import EXAMPLES, MARKDOWN
 
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 # a command's first word, in a code block or an inline span: at the start, or after && ; | $
@@ -76,7 +76,7 @@ def page_commands() -> list[tuple[str, str]]:
     for row in table.splitlines():
         if row.startswith("|") and ".venv/bin/" in row:
             found.append(("README.md", re.findall(r"`(\.venv/bin/[^`]+)`", row)[-1]))
-    for md in sorted(REPO.glob("*/README.md")):
+    for md in (REPO / example / "README.md" for example in EXAMPLES):
         section = md.read_text().split("## Run it", 1)[1].split("\n## ", 1)[0]
         block = section.split("```bash\n", 1)[1].split("```", 1)[0]
         found += [(str(md.relative_to(REPO)), line.split(" #")[0].strip())
@@ -96,7 +96,7 @@ def script_and_flags(command: str) -> tuple[str, list[str]]:
 
 def test_every_example_and_its_run_it_commands_are_collected():
     pages = {page for page, _ in COMMANDS}
-    assert pages == {"README.md", *(str(p.relative_to(REPO)) for p in REPO.glob("*/README.md"))}, pages
+    assert pages == {"README.md", *(f"{example}/README.md" for example in EXAMPLES)}, pages
     scripts = {script_and_flags(c)[0] for _, c in COMMANDS}
     assert {"rpc_rl/main.py", "rpc_rnn/main.py", "ddp_rpc/main.py", "rpc_pipeline_resnet/main.py",
             "rpc_pipeline_resnet/pipelining.py", "pipelining_transformer/main.py"} <= scripts, scripts

@@ -98,6 +98,20 @@ def test_random_state_comes_back_only_into_the_layout_that_saved_it(tmp_path):
     assert torch.equal(torch.get_rng_state(), other)
 
 
+def _forward_backward(pp, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
+    """main.train's step on one of two stages (zero the grads, the schedule by role): its losses, or None."""
+    for opt in pp.optimizers:
+        opt.zero_grad(set_to_none=True)
+    losses: list[torch.Tensor] = []
+    pp.schedule.step(x) if pp.has_first else pp.schedule.step(target=y, losses=losses)
+    return losses if pp.has_last else None
+
+
+def _optimizer_step(pp) -> None:
+    for opt in pp.optimizers:
+        opt.step()
+
+
 def _train_save_continue(worker: distkit.Worker, args: argparse.Namespace) -> list[float] | None:
     """Train SAVED_AT steps (2 stages), checkpoint, then take one step more and one forward.
 
@@ -113,12 +127,12 @@ def _train_save_continue(worker: distkit.Worker, args: argparse.Namespace) -> li
         assert checkpoint.load(args.ckpt, parts) == SAVED_AT
     else:
         for step in range(SAVED_AT):
-            pp.forward_backward(*batch(step))
-            pp.optimizer_step()
+            _forward_backward(pp, *batch(step))
+            _optimizer_step(pp)
         checkpoint.save(args.ckpt_root, SAVED_AT, parts, data_settings_from(args))
-    losses = pp.forward_backward(*batch(SAVED_AT))
-    pp.optimizer_step()  # uses the optimizer state the checkpoint carried
-    after = pp.forward_backward(*batch(SAVED_AT + 1))
+    losses = _forward_backward(pp, *batch(SAVED_AT))
+    _optimizer_step(pp)  # uses the optimizer state the checkpoint carried
+    after = _forward_backward(pp, *batch(SAVED_AT + 1))
     dist.destroy_process_group()
     if losses is None:
         return None
@@ -280,4 +294,4 @@ def test_bad_checkpoint_from_the_command_line_is_one_line_exit_2(tmp_path):
                    timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
-    assert f"--resume {tmp_path / 'step_9'}: no such directory" in proc.stderr, proc.stderr
+    assert f"argument --resume: {tmp_path / 'step_9'}: no such directory" in proc.stderr, proc.stderr

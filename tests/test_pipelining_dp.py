@@ -214,7 +214,7 @@ def test_checkpoint_of_dp2_x_pp2_resumes_in_other_layouts_and_loads_into_one_pro
     (["--world_size", "3", "--dp_size", "2"], "--world_size 3 is not divisible by --dp_size 2"),
     (["--world_size", "4", "--dp_size", "2", "--batch_size", "12", "--n_microbatches", "4"],
      "--batch_size 12 is not divisible by --dp_size 2 x --n_microbatches 4"),
-    (["--dp_size", "0"], "--dp_size must be at least 1, got 0"),
+    (["--dp_size", "0"], "argument --dp_size: must be at least 1, got 0"),
     # the schedule is checked per replica: 1F1B on 2 ranks needs 2 micro-batches
     (["--world_size", "4", "--dp_size", "2", "--schedule", "1F1B", "--n_microbatches", "1"],
      "1F1B cannot run --n_microbatches 1 on 2 ranks per replica (--dp_size 2)"),

@@ -15,12 +15,11 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from torch.torch_version import TorchVersion
 
 import distkit
 from conftest import PRINTED_4, checked_args, on_cuda_optimizer_path, refused_before_launch, run_cli, run_torchrun
 from pipelining_recorded import train_recorded
-from distkit.schedules import SCHEDULES, gloo_problem, stage_indices_for
+from distkit.schedules import SCHEDULES, stage_indices_for
 from pipelining_transformer.main import init_distributed, main, model_args_from, placement
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 from pipelining_transformer.balance import HalfLayer, choose_split
@@ -168,7 +167,6 @@ def _equivalence_worker(worker: distkit.Worker, args: argparse.Namespace) -> dic
 @functools.cache
 def _launch(world_size: int) -> tuple[argparse.Namespace, dict | str]:
     _, runs = RUNS[world_size]
-    runs = [(s, split) for s, split in runs if not gloo_problem(s, world_size)]  # torch 2.10: refused
     args = tiny_args(world_size)
     for schedule, _ in runs:  # every run is one the CLI would accept
         tiny_args(world_size, "--schedule", schedule)
@@ -200,8 +198,6 @@ def _reference(world_size: int) -> dict:
 @pytest.mark.parametrize("world_size, schedule, split",
                          [(w, s, split) for w, (_, runs) in RUNS.items() for s, split in runs])
 def test_pipeline_step_equals_single_process(world_size, schedule, split):
-    if problem := gloo_problem(schedule, world_size):
-        pytest.skip(problem)  # test_torch_before_2_14_refuses_a_rank_neighbouring_itself_on_gloo
     _, results = _launch(world_size)
     assert not isinstance(results, str), results
     ref = _reference(world_size)
@@ -346,28 +342,16 @@ def test_torchrun_launch_with_v_shaped_schedule():
     (["--stage_layers", "auto", "4"], "--stage_layers auto takes no counts beside it"),
     (["--schedule", "ZBVZeroBubble", "--stage_layers", "5", "3"], "makes 4 stages; give 4 counts"),
     # argparse's float() accepts these; a nan learning rate would train nothing silently
-    (["--lr", "0"], "--lr must be a positive number, got 0.0"),
-    (["--lr", "nan"], "--lr must be a positive number, got nan"),
-    (["--lr", "inf"], "--lr must be a positive number, got inf"),
-    (["--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
+    (["--lr", "0"], "argument --lr: must be a positive number, got 0.0"),
+    (["--lr", "nan"], "argument --lr: must be a positive number, got nan"),
+    (["--lr", "inf"], "argument --lr: must be a positive number, got inf"),
+    (["--dropout", "nan"], "argument --dropout: must be in [0, 1), got nan"),
     # a missing directory is made; one under a file cannot be (tests/test_paths.py: all paths)
     (["--loss_log", "pyproject.toml/losses.jsonl"], "pyproject.toml is a file, not a directory"),
 ])
 def test_bad_input_is_rejected_before_launch(argv, message, capsys, monkeypatch):
     err = refused_before_launch(main, argv, capsys, monkeypatch)
     assert message in err, err
-
-
-@pytest.mark.fast  # also on Python 3.10 and 3.13 (.ci/run)
-def test_torch_before_2_14_refuses_a_rank_neighbouring_itself_on_gloo(capsys, monkeypatch):
-    """Torch 2.10's warm-up sends between two stages of one rank, which gloo cannot: refused before
-    launch (here as on torch 2.10); a rank whose stages' neighbours are all elsewhere still runs."""
-    monkeypatch.setattr(torch, "__version__", TorchVersion("2.10.0"))
-    for argv in (["--schedule", "ZBVZeroBubble"], ["--schedule", "DualPipeV"],
-                 ["--schedule", "Interleaved1F1B", "--world_size", "1"]):
-        err = refused_before_launch(main, [*argv, "--device", "cpu"], capsys, monkeypatch)
-        assert "torch 2.10.0 sends between two stages on one rank, which gloo cannot" in err, (argv, err)
-    make_args("--schedule", "Interleaved1F1B", "--device", "cpu")  # stages 0, 2 | 1, 3: accepted
 
 
 def test_bad_input_from_the_command_line_is_one_line_exit_2():

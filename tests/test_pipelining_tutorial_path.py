@@ -6,8 +6,8 @@ read statement by statement (``ast``: comments and line breaks do not count; an 
 accounted for in ``ACCOUNTED``, by the tutorial's code line it renders (one of
 ``PIPELINING_TUTORIAL``), by a sentence of the tutorial's text, or by a difference the
 README lists under "What differs", or it is an extra. The extras may only be the named
-hooks through which everything beyond the tutorial enters (the mesh, the build hook, and
-the start, step and end hooks of ``extras.Hooks``): a new line on the path must either be
+calls through which everything beyond the tutorial enters (the build hook, ``extras.resume``,
+and ``extras.RunLog`` with its step and end calls): a new line on the path must either be
 accounted for here, or be one of at most MAX_EXTRAS.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.fast
 MAIN = REPO / "pipelining_transformer" / "main.py"
 README = REPO / "pipelining_transformer" / "README.md"
 TUTORIAL_PATH = ["init_distributed", "manual_model_split", "tracer_model_split", "build_schedule",
-                 "build_rank", "PipelineRank.forward_backward", "train", "run_worker"]
+                 "build_rank", "train", "run_worker"]
 MAX_EXTRAS = 5
 
 # Sentences of the tutorial's text (not its code) that code on the path follows
@@ -42,8 +42,7 @@ ACCOUNTED: dict[str, tuple[str, str]] = {
     "world_size = int(os.environ['WORLD_SIZE'])": (TUTORIAL, 'world_size = int(os.environ["WORLD_SIZE"])'),
     "dist.init_process_group(**distkit.process_group_args('pp', rank, world_size, where))":
         (TUTORIAL, "dist.init_process_group()"),
-    "pp_group = mesh['pp'].get_group()": (TUTORIAL, "pp_group = dist.new_group()"),
-    "return DistEnv(rank, world_size, where.device, pp_group, mesh, dp_size)":
+    "return DistEnv(where.device, dp.device_mesh(where.device, world_size, dp_size))":
         (DIFFERENCE, "The tutorial's globals are one `DistEnv` value"),
     # manual_model_split
     "for i in list(model.layers):": (TUTORIAL, "for i in range(4, 8):"),
@@ -91,30 +90,27 @@ ACCOUNTED: dict[str, tuple[str, str]] = {
         (TUTORIAL, "schedule = ScheduleGPipe(stage, n_microbatches=num_microbatches, loss_fn=tokenwise_loss_fn)"),
     "optimizers = [make_optimizer(args.optimizer, s.submod.parameters(), args.lr) for s in stages]":
         (DIFFERENCE, "an optimizer per stage"),
-    "return PipelineRank(stages, schedule, optimizers, env, layout)": (DIFFERENCE, "an optimizer per stage"),
-    # PipelineRank.forward_backward
-    "for opt in self.optimizers:": (DIFFERENCE, "`zero_grad` before each step"),
-    "opt.zero_grad(set_to_none=True)": (DIFFERENCE, "`zero_grad` before each step"),
-    "x, y = (x.to(self.device), y.to(self.device))": (TUTORIAL, "x = x.to(device)"),
-    "losses: list[torch.Tensor] = []": (TUTORIAL, "losses = []"),
-    "if self.has_first and self.has_last:":
-        (DIFFERENCE, "plus one branch for the schedules that put the first and the last stage on one rank"),
-    "self.schedule.step(x, target=y, losses=losses)":
-        (DIFFERENCE, "plus one branch for the schedules that put the first and the last stage on one rank"),
-    "if self.has_first:": (TUTORIAL, "if rank == 0:"),
-    "self.schedule.step(x)": (TUTORIAL, "schedule.step(x)"),
-    "if self.has_last:": (TUTORIAL, "elif rank == 1:"),
-    "self.schedule.step(target=y, losses=losses)": (TUTORIAL, "output = schedule.step(target=y, losses=losses)"),
-    "self.schedule.step()": (DIFFERENCE, "`else: schedule.step()` for a rank in between"),
-    "return losses if self.has_last else None": (DIFFERENCE, "**The step by stage, not by rank number**"),
+    "return PipelineRank(stages, schedule, optimizers, layout, env)": (DIFFERENCE, "an optimizer per stage"),
     # train
     "pp = build_rank(args, env)": (TUTORIAL, "stage = manual_model_split(model)"),
-    "for step in range(hooks.first_step, args.steps):": (DIFFERENCE, "the tutorial's step `--steps` times"),
+    "for step in range(first_step, args.steps):": (DIFFERENCE, "the tutorial's step `--steps` times"),
     # the dummy data, and --dp_size's wrapper around it
     "x, y = dp.replica_rows(synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, "
     "args.seed), env.dp_rank, env.dp_size)": (TUTORIAL, "x = torch.ones(32, 500, dtype=torch.long)"),
-    "losses = pp.forward_backward(x, y)": (TUTORIAL, "schedule.step(x)"),
-    "pp.optimizer_step()": (DIFFERENCE, "an optimizer per stage"),
+    "x, y = (x.to(env.device), y.to(env.device))": (TUTORIAL, "x = x.to(device)"),
+    "for opt in pp.optimizers:": (DIFFERENCE, "an optimizer per stage"),
+    "opt.zero_grad(set_to_none=True)": (DIFFERENCE, "`zero_grad` before each step"),
+    "losses: list[torch.Tensor] = []": (TUTORIAL, "losses = []"),
+    "if pp.has_first and pp.has_last:":
+        (DIFFERENCE, "plus one branch for the schedules that put the first and the last stage on one rank"),
+    "pp.schedule.step(x, target=y, losses=losses, return_outputs=False)":
+        (DIFFERENCE, "plus one branch for the schedules that put the first and the last stage on one rank"),
+    "if pp.has_first:": (TUTORIAL, "if rank == 0:"),
+    "pp.schedule.step(x)": (TUTORIAL, "schedule.step(x)"),
+    "if pp.has_last:": (TUTORIAL, "elif rank == 1:"),
+    "pp.schedule.step(target=y, losses=losses, return_outputs=False)": (DIFFERENCE, "`return_outputs=False`"),
+    "pp.schedule.step()": (DIFFERENCE, "`else: schedule.step()` for a rank in between"),
+    "opt.step()": (DIFFERENCE, "an optimizer per stage"),
     "loss = pp.batch_loss(losses, step)": (DIFFERENCE, "the batch's mean loss printed, not the list"),
     "if pp.reports:": (TUTORIAL, "elif rank == 1:"),
     "log.info(f'step {step + 1}/{args.steps}  loss {loss:.4f}')": (TUTORIAL, 'print(f"losses: {losses}")'),
@@ -194,7 +190,7 @@ def test_every_account_is_the_tutorial_or_a_listed_difference():
 
 
 def test_an_extra_line_on_the_path_is_counted():
-    source = MAIN.read_text().replace("        pp.optimizer_step()\n",
-                                      "        pp.optimizer_step()\n        log.info('one more')\n", 1)
+    source = MAIN.read_text().replace("        loss = pp.batch_loss(losses, step)",
+                                      "        log.info('one more')\n        loss = pp.batch_loss(losses, step)", 1)
     assert "train: log.info('one more')" in extras_on_path(source)
     assert len(extras_on_path(source)) == len(extras_on_path(MAIN.read_text())) + 1

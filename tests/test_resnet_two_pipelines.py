@@ -28,8 +28,7 @@ from distkit.schedules import schedule_problem
 from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2
 
 BATCH, IMAGE, NUM_CLASSES, LR, SEED = 8, 48, 10, 0.001, 3
-# torch 2.10's GPipe refuses fewer micro-batches than stages: there, 2 stands in for 1
-SPLITS = (1, 4) if schedule_problem("GPipe", 2, 1) is None else (2, 4)
+SPLITS = (1, 4)
 COMMON = ("--threads", "1", "--batch_size", str(BATCH), "--image_size", str(IMAGE),
           "--num_classes", str(NUM_CLASSES), "--warmup", "1", "--num_batches", "1",
           "--lr", str(LR), "--seed", str(SEED))
@@ -176,11 +175,10 @@ def readme_command(script: str) -> list[str]:
 
 
 @pytest.mark.fast  # the README's command must run on every Python CI runs too
-def test_the_readme_command_runs_on_this_torch():
+def test_the_readme_command_runs_on_this_torch(capsys):
     """``python rpc_pipeline_resnet/pipelining.py --world_size 2``, at small sizes: its default
-    --splits are each run, or left out with one line where this PyTorch refuses them (torch
-    2.10's GPipe refuses 1 micro-batch on 2 stages), and no warning is printed (as
-    tests/test_quiet_output.py checks the other scripts)."""
+    --splits are each run, and no warning is printed (as tests/test_quiet_output.py checks the
+    other scripts); with 1F1B, which wants a micro-batch per stage, 1 is left out with one line."""
     argv = readme_command("rpc_pipeline_resnet/pipelining.py")
     assert "--splits" not in argv, argv  # the default list is what is checked here
     proc = run_cli(*argv, "--image_size", "32", "--num_batches", "1", "--warmup", "0",
@@ -188,12 +186,11 @@ def test_the_readme_command_runs_on_this_torch():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if re.search("warn", line, re.I)]
     assert not warnings, "\n".join(warnings)
-    refused = {m: schedule_problem("GPipe", 2, m) for m in (1, 2, 4, 8)}
-    ran = [int(n) for n in re.findall(r"number of splits = (\d+),", proc.stdout)]
-    assert ran == [m for m, problem in refused.items() if problem is None], proc.stdout
-    skipped = [l for l in proc.stdout.splitlines() if l.startswith("skipping --splits")]
-    assert skipped == [f"skipping --splits {m}: GPipe on 2 stages: {problem} (torch "
-                       f"{torch.__version__.split('+')[0]})" for m, problem in refused.items() if problem]
+    assert re.findall(r"number of splits = (\d+),", proc.stdout) == ["1", "2", "4", "8"], proc.stdout
+    assert "skipping" not in proc.stdout, proc.stdout
+    assert pp_example.runnable_splits([1, 2, 4, 8], "1F1B") == [2, 4, 8]
+    assert (f"skipping --splits 1: 1F1B on 2 stages: {schedule_problem('1F1B', 2, 1)} (torch "
+            f"{torch.__version__.split('+')[0]})\n") in capsys.readouterr().out
 
 
 BAD_INPUT = [
@@ -202,7 +199,7 @@ BAD_INPUT = [
     (["--schedule", "Interleaved1F1B"], "invalid choice: 'Interleaved1F1B'"),
     (["--world_size", "3"], "--world_size must be at most 2"),
     (["--splits", "2", "--image_size", "8", "--batch_size", "4"], "give BatchNorm"),  # main.py's check
-    (["--splits", "2", "--lr", "0"], "--lr must be a positive number"),
+    (["--splits", "2", "--lr", "0"], "argument --lr: must be a positive number, got 0.0"),
 ]
 
 

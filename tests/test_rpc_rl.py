@@ -298,10 +298,13 @@ def test_torchrun_launch_solves_easy_threshold():
 
 @pytest.mark.parametrize("argv, message", [
     (["--world_size", "1"], "--world_size must be at least 2"),
-    (["--max_episodes", "-3"], "--max_episodes must be at least 1"),
-    (["--gamma", "0"], "--gamma must be in (0, 1]"),
-    (["--gamma", "1.5"], "--gamma must be in (0, 1]"),
+    (["--max_episodes", "-3"], "argument --max_episodes: must be at least 1, got -3"),
+    (["--gamma", "0"], "argument --gamma: must be in (0, 1], got 0.0"),
+    (["--gamma", "1.5"], "argument --gamma: must be in (0, 1], got 1.5"),
     (["--world_size", "three"], "invalid int value"),
+    # the launch flags every example shares
+    (["--hang_timeout", "nan"], "argument --hang_timeout: must be 0 (never) or a positive number, got nan"),
+    (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys, monkeypatch):
     from rpc_rl.main import main
@@ -322,7 +325,8 @@ def test_a_negative_seed_is_refused(capsys, monkeypatch):
     --seed -2 failed on rank 1 after the launch (found by tests/test_bench_flags.py)."""
     from rpc_rl.main import main
 
-    assert "--seed must be at least 0" in refused_before_launch(main, ["--seed", "-2"], capsys, monkeypatch)
+    err = refused_before_launch(main, ["--seed", "-2"], capsys, monkeypatch)
+    assert "argument --seed: must be at least 0, got -2" in err, err
 
 
 def test_save_then_play(tmp_path):

@@ -189,10 +189,10 @@ def test_torchrun_launch():
 
 @pytest.mark.parametrize("argv, message", [
     (["--world_size", "3"], "--world_size must be at most 2"),
-    (["--epochs", "0"], "--epochs must be at least 1"),
-    (["--ntoken", "1"], "--ntoken must be at least 2"),
-    (["--dropout", "1"], "--dropout must be in [0, 1)"),
-    (["--seq_len", "five"], "invalid int value"),
+    (["--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
+    (["--ntoken", "1"], "argument --ntoken: must be at least 2, got 1"),
+    (["--dropout", "1"], "argument --dropout: must be in [0, 1), got 1.0"),
+    (["--seq_len", "five"], "argument --seq_len: invalid int value: 'five'"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys, monkeypatch):
     from rpc_rnn.main import main
