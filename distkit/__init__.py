@@ -5,19 +5,17 @@ Modules, each importing only those listed before it: rendezvous (the job's store
 launch (``Job``, beside ``mp.spawn``), args (the shared flags and their checks), profiling
 (--trace), schedules (the pipelining schedules, for both pipeline examples; imported on its own).
 The distributed logic of each tutorial stays in its own package."""
-from .args import (ArgumentParser, add_launch_args, check_finite, check_launch_args, check_placements,
-                   require_positive)
-from .device import (DeviceError, Placement, agree_on_backend, backend_for, gpu_count, group_placement,
-                     pick_device, process_group_args, threads_per_process)
+from .args import ArgumentParser, add_launch_args, check_finite, check_launch_args, check_placements
+from .device import (Placement, backend_for, gpu_count, group_placement, pick_device, process_group_args,
+                     threads_per_process)
 from .launch import Job, launch, local_workers, parse_ranks
 from .profiling import profiled
-from .rendezvous import job_store, process_group_store, under_torchrun
-from .worker import Worker, cleanup, exit_now, exit_process, silence_torchscript_optimizer_warning
+from .rendezvous import job_store, process_group_store
+from .worker import Worker, exit_now, exit_process, silence_torchscript_optimizer_warning
 
 __all__ = [
-    "ArgumentParser", "DeviceError", "Job", "Placement", "Worker", "add_launch_args", "agree_on_backend",
-    "backend_for", "check_finite", "check_launch_args", "check_placements", "cleanup",
-    "exit_now", "exit_process", "gpu_count", "group_placement", "job_store", "launch",
-    "local_workers", "parse_ranks", "pick_device", "process_group_args", "process_group_store", "profiled",
-    "require_positive", "silence_torchscript_optimizer_warning", "threads_per_process", "under_torchrun",
+    "ArgumentParser", "Job", "Placement", "Worker", "add_launch_args", "backend_for", "check_finite",
+    "check_launch_args", "check_placements", "exit_now", "exit_process", "gpu_count", "group_placement",
+    "job_store", "launch", "local_workers", "parse_ranks", "pick_device", "process_group_args",
+    "process_group_store", "profiled", "silence_torchscript_optimizer_warning", "threads_per_process",
 ]

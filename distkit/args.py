@@ -46,7 +46,7 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc
                         "(a module's forward, an optimizer step) for S seconds; 0: never"
                         + (f" (default: {hang_timeout})" if derived else ""))
     if rpc_timeout is not None:
-        g.add_argument("--rpc_timeout", type=float, default=rpc_timeout,
+        g.add_argument("--rpc_timeout", type=positive, default=rpc_timeout,
                        help="seconds an RPC may take before it fails")
     g.add_argument("--world_size", type=int, default=None,
                    help=f"number of processes in the job (default: {world_size or 'required'}; "
@@ -54,7 +54,7 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc
     parser.set_defaults(default_world_size=world_size)  # torchrun's WORLD_SIZE wins over it, not the flag
     g.add_argument("--master_addr", default=None,
                    help="address of the machine running rank 0 (default: 127.0.0.1, this machine)")
-    g.add_argument("--master_port", type=int, default=None,
+    g.add_argument("--master_port", type=port, default=None,
                    help="rendezvous port on the master (default: a free one chosen by the OS)")
     g.add_argument("--ranks", default=None, metavar="A-B",
                    help="ranks this machine runs, for a run over several machines (default: all)")
@@ -90,10 +90,6 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--world_size must be at least {min_world_size}, got {args.world_size}")
     if max_world_size is not None and args.world_size > max_world_size:
         parser.error(f"--world_size must be at most {max_world_size}, got {args.world_size}")
-    if args.master_port is not None and not 0 < args.master_port < 65536:
-        parser.error(f"--master_port must be in 1..65535, got {args.master_port}")
-    if hasattr(args, "rpc_timeout"):  # nan or inf would leave every RPC unbounded
-        require_positive(parser, "--rpc_timeout", args.rpc_timeout)
     try:
         ranks = parse_ranks(args.ranks, args.world_size)
     except ValueError as e:
@@ -121,7 +117,8 @@ def up_to(high: float) -> Callable[[str], float]:
     return _checked(float, lambda v: 0 < v <= high, f"in (0, {high:g}]")
 
 
-positive = _checked(float, lambda v: 0 < v < math.inf, "a positive number")  # nan compares False
+positive = _checked(float, lambda v: 0 < v < math.inf, "a positive number")  # nan or inf: an unbounded wait
+port = _checked(int, lambda v: 0 < v < 65536, "in 1..65535")
 probability = _checked(float, lambda v: 0 <= v < 1, "in [0, 1)")
 seconds = _checked(float, lambda v: 0 <= v < math.inf, "0 (never) or a positive number")
 
@@ -135,12 +132,6 @@ def path(kind: str) -> Callable[[str], str]:
 
     parse.__name__ = "path"
     return parse
-
-
-def require_positive(parser: argparse.ArgumentParser, flag: str, value: float) -> None:
-    """A one-line error unless ``value`` is positive and finite (``nan <= 0`` is False)."""
-    if not (math.isfinite(value) and value > 0):
-        parser.error(f"{flag} must be a positive number, got {value}")
 
 
 def check_finite(loss: float, where: str) -> float:
@@ -162,28 +153,23 @@ def check_placements(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def path_problem(path: str, kind: str) -> str | None:
-    """Why ``path`` cannot serve as ``kind``, or None: made or written (``out_dir``, ``out_file``), read
-    (``in_file``, ``in_dir``). Writing is tried: root passes ``os.access``; a read-only mount shows only then."""
-    given = os.path.abspath(path)
-    if kind in ("in_file", "in_dir"):
-        want_dir = kind == "in_dir"
+    """Why ``path`` cannot serve as ``kind``, or None: read (``in_file``, ``in_dir``), made or written
+    (``out_dir``, ``out_file``). Writing is tried: root passes ``os.access``; a read-only mount shows only then."""
+    want_dir, given = kind.endswith("dir"), os.path.abspath(path)
+    if os.path.exists(path) and os.path.isdir(path) != want_dir:
+        return "is a file, not a directory" if want_dir else "is a directory, not a file"
+    if kind.startswith("in"):
         if not os.path.exists(path):
             return "no such " + ("directory" if want_dir else "file")
-        if os.path.isdir(path) != want_dir:
-            return "is a file, not a directory" if want_dir else "is a directory, not a file"
         return None if os.access(path, os.R_OK) else "cannot be read"
-    if kind == "out_file":
-        if os.path.isdir(path):
-            return "is a directory, not a file"
-        if os.path.exists(path):
-            try:
-                open(path, "a").close()  # append mode: opening changes nothing in the file
-            except OSError as e:
-                return f"cannot be written ({e.strerror})"
-            return None
-        path = os.path.dirname(given)  # a new file: its directory is made if missing, so must be makeable
-    nearest = os.path.abspath(path)  # every existing part must be a directory, the nearest writable
-    while not os.path.exists(nearest):
+    if not want_dir and os.path.exists(path):
+        try:
+            open(path, "a").close()  # append mode: opening changes nothing in the file
+        except OSError as e:
+            return f"cannot be written ({e.strerror})"
+        return None
+    nearest = given if want_dir else os.path.dirname(given)  # a new file's directory is made if missing
+    while not os.path.exists(nearest):  # every existing part must be a directory, the nearest writable
         nearest = os.path.dirname(nearest)
     if not os.path.isdir(nearest):
         return "is a file, not a directory" if nearest == given else f"{nearest} is a file, not a directory"
@@ -192,4 +178,3 @@ def path_problem(path: str, kind: str) -> str | None:
             return None
     except OSError as e:
         return f"cannot write in {nearest} ({e.strerror})"
-

@@ -7,13 +7,12 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .rendezvous import job_store, process_group_store, restart_key
+from .rendezvous import STORE_TIMEOUT, job_store, process_group_store, restart_key
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 NO_GPU = "--device cuda was asked for, but no CUDA device is visible on this machine"
@@ -38,10 +37,6 @@ def gpu_count() -> int:
     return torch.accelerator.device_count() if accelerator is not None and accelerator.type == "cuda" else 0
 
 
-def _gpu(index: int) -> torch.device:
-    return torch.device("cuda", index)
-
-
 backend_for = dist.get_default_backend_for_device  # NCCL moves CUDA tensors, gloo CPU ones
 
 
@@ -53,7 +48,7 @@ def pick_device(preference: str, index: int = 0, min_gpus: int = 1) -> torch.dev
         return torch.device("cpu")
     if n == 0:
         raise DeviceError(NO_GPU)
-    return _gpu(index % n)
+    return torch.device("cuda", index % n)
 
 
 def group_placement(preference: str, local_index: int, local_members: int) -> Placement:
@@ -63,7 +58,7 @@ def group_placement(preference: str, local_index: int, local_members: int) -> Pl
         raise ValueError(f"local index {local_index} is not within 0..{local_members - 1}")
     n = gpu_count()
     if preference != "cpu" and n >= local_members:
-        return Placement(_gpu(local_index), backend_for(_gpu(local_index)))
+        return Placement(torch.device("cuda", local_index), backend_for(torch.device("cuda", local_index)))
     if preference == "cuda":
         raise DeviceError(NO_GPU if n == 0 else f"--device cuda: NCCL needs a GPU per process, and this "
                           f"machine runs {local_members} processes of the group with {n} GPU(s) visible "
@@ -75,26 +70,18 @@ def group_placement(preference: str, local_index: int, local_members: int) -> Pl
     return Placement(torch.device("cpu"), "gloo")
 
 
-def agree_on_backend(group: str, group_rank: int, group_size: int, placement: Placement,
-                     timeout: timedelta = timedelta(seconds=120)) -> None:
-    """``DeviceError`` unless all of ``group`` chose ``placement.backend`` (``auto`` found GPUs on one
-    machine only): one line naming each machine, not a hang inside ``init_process_group``."""
-    store = job_store(f"distkit/placement/{group}/{restart_key()}")  # a torchrun restart's own keys
-    store.set(str(group_rank), "|".join([socket.gethostname(), str(gpu_count()), str(placement.device),
-                                         str(placement.backend)]))
-    keys = [str(r) for r in range(group_size)]
-    store.wait(keys, timeout)
-    problem = backend_disagreement([store.get(k).decode().split("|") for k in keys])
-    if problem:
-        raise DeviceError(problem)
-
-
 def process_group_args(group: str, rank: int, world_size: int, placement: Placement,
                        store: dist.Store | None = None) -> dict[str, Any]:
-    """``dist.init_process_group``'s arguments: the one process-group start every example shares. On
-    every member: ``agree_on_backend``, this rank's GPU set, and the store (default
-    ``process_group_store()``: under torchrun, this restart's own)."""
-    agree_on_backend(group, rank, world_size, placement)
+    """``dist.init_process_group``'s arguments: the one process-group start every example shares. Every
+    member first checks that all chose its backend (``auto`` found GPUs on one machine only): a
+    ``DeviceError`` naming each machine, not a hang inside ``init_process_group``; then this rank's GPU is
+    set, and the store is ``store`` or ``process_group_store()`` (under torchrun, this restart's own)."""
+    seen = job_store(f"distkit/placement/{group}/{restart_key()}")  # a torchrun restart's own keys
+    seen.set(str(rank), f"{socket.gethostname()}|{gpu_count()}|{placement.device}|{placement.backend}")
+    keys = [str(r) for r in range(world_size)]
+    seen.wait(keys, STORE_TIMEOUT)
+    if problem := backend_disagreement([seen.get(k).decode().split("|") for k in keys]):
+        raise DeviceError(problem)
     if placement.device.type != "cpu":
         torch.accelerator.set_device_index(placement.device)
     return {"backend": placement.backend, "store": store or process_group_store(), "rank": rank,
@@ -105,14 +92,13 @@ def backend_disagreement(seen: Sequence[Sequence[str]]) -> str | None:
     """The one-line error for members' ``(host, gpus, device, backend)``, or None if they agree."""
     if len({backend for *_, backend in seen}) <= 1:
         return None
-    machines: dict[tuple[str, str, str], list[int]] = {}
+    machines: dict[tuple[str, ...], list[str]] = {}
     for rank, (host, gpus, _, backend) in enumerate(seen):
-        machines.setdefault((host, gpus, backend), []).append(rank)
-    what = "; ".join(f"{host} sees {gpus} GPU(s) -> {backend} (rank{'s' * (len(ranks) > 1)} "
-                     f"{','.join(map(str, ranks))})" for (host, gpus, backend), ranks in machines.items())
-    return (f"the machines of this job chose different backends for one process group: {what}; "
-            f"every member needs the same one: pass the same --device on every machine "
-            f"(--device cpu works everywhere)")
+        machines.setdefault((host, gpus, backend), []).append(str(rank))
+    what = "; ".join(f"{host} sees {gpus} GPU(s) -> {backend} (rank{'s' * (len(ranks) > 1)} {','.join(ranks)})"
+                     for (host, gpus, backend), ranks in machines.items())
+    return (f"the machines of this job chose different backends for one process group: {what}; every "
+            f"member needs the same one: pass the same --device on every machine (--device cpu works everywhere)")
 
 
 def threads_per_process(local_world_size: int) -> int:

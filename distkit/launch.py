@@ -9,7 +9,7 @@ Every example's ``main()`` writes the tutorial's launch, and hands the job what 
 ``ProcessContext`` it returns holds the job's processes and joins them as ``join=True`` would.
 ``Job`` adds, each piece for the reason beside it:
 - the store, on 127.0.0.1 and a port the OS picks: c10d's listens on every interface, on a set port;
-- torchrun's file timer server: it kills a rank frozen whole (SIGSTOP), which no peer can end;
+- a look at its ranks in /proc: one stopped (SIGSTOP) alone, which no peer can see, is killed;
 - a pipe from the ranks: their results (``mp.spawn`` returns nothing) and failure records, for the
   first failure's report (``mp.spawn`` reports the first exit it sees; a refused device: exit 2);
 - Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running;
@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,11 +32,10 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from torch.distributed.elastic.timer import FileTimerServer
 from torch.multiprocessing.spawn import ProcessContext, ProcessException
 
 from .rendezvous import STORE_TIMEOUT, agent_hosts_store, connect, host_store, under_torchrun
-from .watchdog import TIMER_FILE, TIMER_MARGIN
+from .watchdog import TIMER_MARGIN
 from .worker import Worker, die_with_parent, exit_now, run_rank
 
 # a raising rank waits before it exits: a peer killed by a signal (with RPC's many threads) is slow to
@@ -79,14 +77,14 @@ def _env_worker(args: argparse.Namespace) -> Worker:
 
 
 def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, ...], addr: str, port: int,
-             timer: str, outbox: tuple, index: int, args: argparse.Namespace) -> None:
+             outbox: tuple, index: int, args: argparse.Namespace) -> None:
     """``fn`` as ``mp.spawn`` calls it (``Job.wrap``): rank ``ranks[index]``, in torchrun's environment."""
     # mp.spawn's SIGINT when the launcher dies waits for Python's next bytecode, never in a collective
     die_with_parent(multiprocessing.parent_process().pid)
     rank = ranks[index]
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world_size),
                       LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(len(ranks)),
-                      TORCHELASTIC_USE_AGENT_STORE="True", **{TIMER_FILE: timer})
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     pipe, lock = outbox
 
     def post(kind: str, payload: Any) -> None:
@@ -107,12 +105,6 @@ def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, 
     exit_now(0)
 
 
-class _TimerServer(FileTimerServer):
-    def _reap_worker(self, worker_pid: int, sig: int) -> bool:
-        # torch's server kills its own process after a rank it killed: here the launcher, with no report
-        return worker_pid != os.getpid() and super()._reap_worker(worker_pid, sig)
-
-
 class Job:
     """One launch; ``job.results``: ``{rank: run_worker's result}`` here; a failure: its report, exit 1."""
 
@@ -124,7 +116,7 @@ class Job:
         self.results: dict[int, Any] = {}
         self.records: list[tuple[str, int, float, Any]] = []  # (kind, rank, time, payload), each rank's post
         self.timed_out: set[int] = set()  # pids this job killed as frozen (pids get reused)
-        self.hang_timeout = getattr(args, "hang_timeout", 0)  # 0: no watchdog, no timer
+        self.hang_timeout = getattr(args, "hang_timeout", 0)  # 0: no watchdog
         self.context: ProcessContext | None = None
 
     def __enter__(self) -> Job:
@@ -141,10 +133,6 @@ class Job:
                 _die(f"cannot listen on {self.addr}:{self.port} for the rendezvous: {e.strerror or e}",
                      status=2)
             self.port = self.store.port
-        self.dir = tempfile.TemporaryDirectory(prefix="distkit-")
-        self.fifo = os.path.join(self.dir.name, "timer")  # the file timer's
-        self.timer = _TimerServer(self.fifo, run_id="distkit", max_interval=0.1, log_event=self._timer_event)
-        self.timer.start()
         # not a SimpleQueue: the launcher closes its writing end, so that a record half written by a
         # rank killed meanwhile reads as end-of-file once the ranks are gone, not as a wait for ever
         spawning = multiprocessing.get_context("spawn")
@@ -157,13 +145,13 @@ class Job:
 
     def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> functools.partial[None]:
         """``fn(worker, args)`` as ``mp.spawn``'s ``fn(i, args)``; fn must be module-level."""
-        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, self.fifo,
+        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port,
                                  (self._outbox, self._lock))
 
     def join(self, context: ProcessContext) -> None:
         """Joins the ranks ``mp.spawn(..., join=False)`` started, reading their records meanwhile (a large
-        result fills the pipe), and kills one stopped past its file timer: a rank stopped while writing to
-        the timer's FIFO blocks its server. A failure raises mp.spawn's exception, reported on exit."""
+        result fills the pipe), and kills one stopped past --hang_timeout and the margin a peer has to report
+        it first (a peer can see it only if it waits on it). A failure raises mp.spawn's exception."""
         self.context = context
         self._outbox.close()  # the ranks hold their own
         stopped: dict[int, int] = {}  # pid -> looks in a row that found it stopped (Ctrl+Z stops us too)
@@ -173,7 +161,7 @@ class Job:
                 pids = [p.pid for p in context.processes if p.exitcode is None]  # not reaped: still ours
                 stopped = {pid: stopped.get(pid, 0) + 1 for pid in pids if _state(pid) in ("T", "t")}
                 for pid, looks in stopped.items():
-                    if looks * POLL > self.hang_timeout + TIMER_MARGIN + 5:  # past the timer's limit
+                    if looks * POLL > self.hang_timeout + TIMER_MARGIN:
                         self.timed_out.add(pid)
                         os.kill(pid, signal.SIGKILL)
 
@@ -200,9 +188,7 @@ class Job:
                 self._read()
         finally:
             signal.signal(signal.SIGTERM, self._old_term)
-            self.timer.stop()
             self.store = None
-            self.dir.cleanup()
         if exc is None:
             self.results = {rank: value for kind, rank, _, value in self.records if kind == "result"}
         elif isinstance(exc, KeyboardInterrupt):
@@ -220,10 +206,6 @@ class Job:
         except (EOFError, OSError):  # every rank is gone (one killed may have left half a record)
             pass
 
-    def _timer_event(self, name: str, request: Any) -> None:
-        if name == "timer expired" and request is not None:
-            self.timed_out.add(request.worker_pid)
-
     def _first(self, kind: str) -> tuple[str, int, float, Any] | None:
         return min((r for r in self.records if r[0] == kind), key=lambda r: r[2], default=None)
 
@@ -234,8 +216,8 @@ class Job:
             return f"rank {hang[1]} failed:\n{hang[3]}"
         rank, code = self.ranks[exc.error_index], getattr(exc, "exit_code", 1)
         if code < 0 and exc.error_pid in self.timed_out:
-            return (f"rank {rank} was frozen (no heartbeat for --hang_timeout + "
-                    f"{TIMER_MARGIN:g} s) and was killed by its watchdog's timer; the job is stopped")
+            return (f"rank {rank} was frozen (no heartbeat: stopped for --hang_timeout + {TIMER_MARGIN:g} s) "
+                    f"and was killed; the job is stopped")
         if code < 0:
             return f"rank {rank} died (signal {signal.Signals(-code).name}); the job is stopped"
         if failed := self._first("failed"):

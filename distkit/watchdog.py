@@ -4,8 +4,8 @@ Progress (a module's forward, an optimizer step: PyTorch's global hooks) goes to
 job's store; after ``hang_timeout`` s without any, the first rank to notice asks every rank for its
 ``faulthandler`` stack. Why our own: PyTorch bounds one call, not a rank stopped between calls, and
 torchrun's file timer bounds what a rank opens itself, with no stack. A guard thread ends the rank
-when the watchdog's store call hangs or it raised, and renews the launcher's file timer (torchrun's
-with ``TORCHELASTIC_ENABLE_FILE_TIMER=1``), which kills a rank frozen whole, alone on its machine.
+when the watchdog's store call hangs or it raised, and keeps ``faulthandler``'s timer from ending a
+rank whose interpreter is frozen (the GIL held), and torchrun's file timer, if on, from killing it.
 """
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .rendezvous import STORE_TIMEOUT, connect, restart_key
 
 ANSWER_WAIT = 5.0  # seconds the claiming rank waits for the others' stacks
-# A rank frozen whole is killed by its launcher's file timer this long after --hang_timeout: time for
-# a rank on another machine to claim the hang and report it first (waiting ANSWER_WAIT for the frozen one)
+# A rank frozen whole is ended (faulthandler, its launcher, torchrun's file timer) this long after
+# --hang_timeout: time for a peer to claim the hang and report it first (waiting ANSWER_WAIT for it)
 TIMER_MARGIN = ANSWER_WAIT + 10
 TIMER_SCOPE = "distkit-watchdog"
 STORE_FLOOR = 10.0  # seconds: the least time a store call gets before the store counts as lost
-TIMER_FILE = "TORCHELASTIC_TIMER_FILE"  # set by torchrun's agent with its file timer on; by distkit's, always
+TIMER_FILE = "TORCHELASTIC_TIMER_FILE"  # set by torchrun's agent with TORCHELASTIC_ENABLE_FILE_TIMER=1
 
 
 def machine() -> str:
@@ -91,8 +91,9 @@ class Watchdog:
         self._deadline = self._since + seconds
 
     def _guard(self) -> None:
-        """Ends the rank when the watchdog thread is stuck in a store call; keeps the file timer."""
+        """Ends the rank when the watchdog thread is stuck in a store call; keeps the timers."""
         while not self._stop.wait(self.interval):
+            faulthandler.dump_traceback_later(self.timeout + TIMER_MARGIN, exit=True, file=sys.__stderr__)
             if self.timer is not None:
                 try:
                     self.timer.acquire(TIMER_SCOPE, time.time() + self.timeout + TIMER_MARGIN)
@@ -105,6 +106,7 @@ class Watchdog:
                 self._give_up(f"rank {self.rank}: the job's rendezvous store has not answered for "
                               f"{now - self._since:.0f} s (--hang_timeout {self.timeout:g}): its host is "
                               f"stopped, gone or cut off")
+        faulthandler.cancel_dump_traceback_later()
 
     def _watch(self) -> None:
         """The watchdog thread: whatever goes wrong in it ends the rank with a report."""

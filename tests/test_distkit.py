@@ -328,11 +328,11 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("argv, message", [
     (["--world_size", "0"], "--world_size must be at least 1"),
-    (["--master_port", "70000"], "--master_port must be in 1..65535"),
+    (["--master_port", "70000"], "argument --master_port: must be in 1..65535, got 70000"),
     (["--ranks", "1-2"], "--ranks 1-2 is not within 0..1"),
     (["--ranks", "1"], "needs --master_addr and --master_port"),
-    (["--rpc_timeout", "nan"], "--rpc_timeout must be a positive number"),
-    (["--rpc_timeout", "inf"], "--rpc_timeout must be a positive number"),
+    (["--rpc_timeout", "nan"], "argument --rpc_timeout: must be a positive number"),
+    (["--rpc_timeout", "inf"], "argument --rpc_timeout: must be a positive number"),
 ])
 def test_bad_launch_flags_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -407,53 +407,44 @@ def test_the_profiler_records_every_thread(tmp_path):
     assert any(e.get("name") == "on another thread" for e in events)
 
 
-def _stop_holding_the_timer_pipe(worker: distkit.Worker, args: argparse.Namespace) -> None:
-    """Stop as a rank stopped between opening its file timer's pipe and writing to it does."""
-    from distkit.watchdog import TIMER_FILE
-
-    held = os.open(os.environ[TIMER_FILE], os.O_WRONLY | os.O_NONBLOCK)
-    time.sleep(1)  # the server is now blocked in readline on this open, silent writer
-    os.kill(os.getpid(), signal.SIGSTOP)
-    time.sleep(60)
-    os.close(held)
+def _frozen_whole(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGSTOP)  # nothing in it runs: no peer, no thread of its own can act
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_stopped_while_its_timer_server_is_blocked_is_still_killed(monkeypatch, capsys):
-    """torchrun's file timer server reads its pipe with a blocking readline: a rank stopped
-    with the pipe open blocks it for good (seen once in the cross-host hang test). The job's
-    own look at its ranks is the backstop: with it off (hang_timeout 0) this waits for ever."""
-    # the launcher's limit becomes 1 + 5 s (the module: distkit.launch is also the function)
+def test_a_rank_frozen_whole_is_killed_by_its_launcher_and_reported(monkeypatch, capsys):
+    """A rank stopped alone (no peer to claim the hang) is killed by the job's look at /proc, and
+    the launcher says so. With that look off (hang_timeout 0) this waits for ever."""
+    # the launcher's limit becomes 1 + 0 s (the module: distkit.launch is also the function)
     monkeypatch.setattr(importlib.import_module("distkit.launch"), "TIMER_MARGIN", 0.0)
-    args = launch_args("--hang_timeout", "1", world_size=1)
     start = time.monotonic()
     with pytest.raises(SystemExit):
-        distkit.launch(_stop_holding_the_timer_pipe, args)
-    assert "rank 0 was frozen" in capsys.readouterr().err
+        distkit.launch(_frozen_whole, launch_args("--hang_timeout", "1", world_size=1))
+    assert "rank 0 was frozen (no heartbeat" in capsys.readouterr().err
     assert time.monotonic() - start < 30
 
 
-def _frozen_whole(worker: distkit.Worker, args: argparse.Namespace) -> None:
+def _holds_the_gil(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    import re
+
     from distkit import watchdog
 
-    watchdog.TIMER_MARGIN = 0.0  # this rank's file timer expires --hang_timeout after its last renewal
+    watchdog.TIMER_MARGIN = 0.0  # faulthandler's timer: --hang_timeout after the guard's last look
     time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGSTOP)
+    re.match(r"(a+)+$", "a" * 64 + "b")  # catastrophic backtracking in C, the GIL held throughout
 
 
-# the job's own look at its stopped ranks waits 600 s more here: only the file timer can end this one
-FROZEN = ("import importlib, sys; sys.path[:0] = ['tests']; import distkit, test_distkit; "
-          "importlib.import_module('distkit.launch').TIMER_MARGIN = 600; distkit.launch("
-          "test_distkit._frozen_whole, test_distkit.launch_args('--hang_timeout', '1', world_size=1))")
-
-
-@pytest.mark.timeout(120)
-def test_a_rank_frozen_whole_is_killed_by_its_file_timer_and_reported():
-    """A rank stopped alone (no peer to claim the hang) is killed by the launcher's file timer, and
-    the launcher says so. torch's timer server then kills its own process, here the launcher (exit
-    -9, no report): distkit's does not. In a process of its own, for that reason."""
-    proc = run_cli("-c", FROZEN, timeout=90)
-    assert proc.returncode == 1 and "rank 0 was frozen (no heartbeat" in proc.stderr, proc.stderr
+@pytest.mark.timeout(60)
+def test_a_rank_that_holds_the_gil_ends_with_its_stack(capfd):
+    """A rank whose interpreter is frozen (one C call holding the GIL) runs none of the watchdog's
+    Python threads: faulthandler's C timer, which the guard renews, prints its stack and ends it."""
+    start = time.monotonic()
+    with pytest.raises(SystemExit):
+        distkit.launch(_holds_the_gil, launch_args("--hang_timeout", "1", world_size=1))
+    err = capfd.readouterr().err  # faulthandler writes to the rank's file descriptor 2
+    assert "rank 0 died (exit status 1)" in err and "in _holds_the_gil" in err, err
+    assert time.monotonic() - start < 30
 
 
 def _raise_while_peer_stopped(worker: distkit.Worker, args: argparse.Namespace) -> None:

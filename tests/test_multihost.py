@@ -416,9 +416,9 @@ def test_pipelining_transformer_kill_with_no_restarts_left_fails_both_hosts(host
 # rpc_rnn (rank 0 the parameter server, an idle RPC server; rank 1 the trainer) under
 # torchrun's static rendezvous, and for a stopped rank also the pipeline under distkit's
 # launcher (--ranks). A host whose only rank is frozen has one thing left to end it: its
-# launcher's file timer, which each rank's watchdog renews (it expires
-# distkit.watchdog.TIMER_MARGIN after --hang_timeout); torchrun runs it with
-# TORCHELASTIC_ENABLE_FILE_TIMER=1, distkit's launcher always.
+# launcher, distkit.watchdog.TIMER_MARGIN after --hang_timeout: torchrun's agent by its file
+# timer (TORCHELASTIC_ENABLE_FILE_TIMER=1), which each rank's watchdog renews; distkit's by
+# its look at its ranks in /proc.
 HANG = 5  # --hang_timeout
 HANG_FLAGS = ("--hang_timeout", str(HANG), "--threads", "1")
 PIPELINE_HANG = ("pipelining_transformer/main.py", *TINY_MODEL, "--steps", "100000")
@@ -531,7 +531,7 @@ def test_a_hang_across_hosts_ends_the_job(hosts, tmp_path):
             # rank 0 names rank 1 and prints its own stacks
             assert re.search(r"rank 1 (did not answer|stopped answering)", out), text
             assert "[rank 0] stacks (every thread)" in out, text
-        elif job.case == "rank_stopped":  # killed by its launcher's file timer, and said so
+        elif job.case == "rank_stopped":  # killed by its launcher, and said so
             assert "[rank 1] stacks" not in out, text
             assert ("exitcode  : -9" in out if job.launcher == "torchrun" else
                     "rank 1 was frozen (no heartbeat" in out), text
