@@ -3,6 +3,7 @@ logging, threads, loopback-only sockets, the watchdog and a cleanup that always 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import logging
 import os
@@ -18,7 +19,6 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
-from torch.multiprocessing import _prctl_pr_set_pdeathsig
 
 from . import watchdog
 from .device import DeviceError, pick_device, threads_per_process
@@ -125,6 +125,9 @@ def cleanup(graceful: bool = True) -> None:
 def die_with_parent(parent: int | None = None) -> None:
     """Linux: SIGKILL when the launcher (``parent``, default: the parent now) dies, even by SIGKILL."""
     parent = parent or os.getppid()
-    _prctl_pr_set_pdeathsig(signal.SIGKILL)  # mp.spawn's own call, with SIGINT; nothing off Linux
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)  # libc's; none off Linux, nor a parent's signal there
+    if prctl is None:
+        return
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (linux/prctl.h), as mp.spawn's ranks have it with SIGINT
     if os.getppid() != parent:  # it died before the call: no signal will come for it now
         os.kill(os.getpid(), signal.SIGKILL)

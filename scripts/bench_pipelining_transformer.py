@@ -19,7 +19,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from benchlib import (bench_parser, check_at_least, describe_machine, example_args, format_table, median, parse,
-                      save_plot)
+                      save_plot, wrap_schedule_steps)
 import distkit
 import pipelining_transformer.main as example
 from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem, stage_indices_for
@@ -59,8 +59,7 @@ def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
 
     stagetrace.record_into(recorder)
     # the example's train(): its schedule's step timed, and each step's end: its last optimizer's step
-    for cls in {next(c for c in cls.__mro__ if "step" in vars(c)) for cls in SCHEDULES.values()}:
-        cls.step = timed(cls.step, end_schedule)
+    wrap_schedule_steps(lambda step: timed(step, end_schedule))
     stages = len(stage_indices_for(args.schedule, worker.rank, args.world_size))  # an optimizer each
     optimizer_steps = []
 

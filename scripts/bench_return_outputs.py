@@ -16,10 +16,9 @@ import functools
 import resource
 import time
 
-from benchlib import check_at_least, describe_machine, example_args, format_table, median
+from benchlib import check_at_least, wrap_schedule_steps, describe_machine, example_args, format_table, median
 import distkit
 import pipelining_transformer.main as example
-from distkit.schedules import SCHEDULES
 
 HEADER = ["vocab", "return_outputs", "last stage step ms", "peak MB (last stage)", "runs"]
 
@@ -38,8 +37,7 @@ def worker(return_outputs: bool, w: distkit.Worker, args: argparse.Namespace) ->
                 seconds.append(time.perf_counter() - start)
         return wrapper
 
-    for cls in {next(c for c in cls.__mro__ if "step" in vars(c)) for cls in SCHEDULES.values()}:
-        cls.step = forced(cls.step)
+    wrap_schedule_steps(forced)
     result = example.run_worker(w, args)
     return {"last": w.rank == args.world_size - 1, "step_s": seconds[args.warmup:],
             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "losses": result["losses"]}

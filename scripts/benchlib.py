@@ -55,6 +55,14 @@ def check_at_least(parser: argparse.ArgumentParser, minimum: int,
                 parser.error(f"{flag} must be at least {minimum}, got {v}")
 
 
+def wrap_schedule_steps(wrap) -> None:
+    """``cls.step = wrap(cls.step)`` on each class that defines the ``step`` of a pipelining schedule, once."""
+    from distkit.schedules import SCHEDULES
+
+    for cls in {next(c for c in cls.__mro__ if "step" in vars(c)) for cls in SCHEDULES.values()}:
+        cls.step = wrap(cls.step)
+
+
 def describe_machine(processes: int, threads: int | None = None) -> str:
     """One paragraph on what the numbers below were measured on."""
     threads = threads or distkit.threads_per_process(processes)

@@ -40,6 +40,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> float:
     else:
         layer(torch.ones(1, 4))
         buffer = torch.zeros(1)
+        print(f"rank {worker.rank} waits", flush=True)
         dist.recv(buffer, src=(worker.rank + 1) % worker.world_size)  # nobody sends
     dist.destroy_process_group()
     return time.monotonic() - start

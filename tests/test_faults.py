@@ -13,6 +13,7 @@ import importlib
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -217,10 +218,26 @@ def test_rpc_examples_have_a_bounded_rpc_timeout(name, monkeypatch):
             assert given.value.args[0].rpc_timeout == 7.0, (name, rank)
 
 
+@pytest.mark.timeout(120)
+def test_sigkilled_launcher_takes_ranks_blocked_in_a_collective_along():
+    """Ranks blocked in gloo's recv run no bytecode, so mp.spawn's parent-death SIGINT never acts:
+    distkit's SIGKILL (distkit.worker.die_with_parent) ends them; without it this fails."""
+    job = Job(("tests/hang_worker.py", "deadlock", "--hang_timeout", "0"))
+    try:
+        for rank in (0, 1):
+            job.wait_for(rf"rank {rank} waits")
+        workers = job.workers()
+        time.sleep(1)  # into the recv
+        job.proc.kill()
+        assert_all_gone(workers, within=10)
+    finally:
+        job.kill()
+
+
 @pytest.mark.timeout(300)
 def test_sigkilled_launcher_takes_its_workers_along(launched):
-    # workers busy computing or in a collective never touch the store: the parent-death
-    # signal (distkit.worker.die_with_parent) is what ends them
+    # workers busy computing never touch the store: a parent-death signal is what ends them
+    # (mp.spawn's SIGINT here; the test above: distkit's SIGKILL, for ranks in C calls)
     name, ex = launched
     job = Job(ex.argv)
     try:

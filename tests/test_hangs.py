@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, REPO, Job, assert_all_gone, children, cmdline, module_of, run_cli
+from conftest import EXAMPLES, REPO, Job, assert_all_gone, children, cmdline, run_cli
 from distkit import watchdog
 
 HANG_TIMEOUT = 5
