@@ -118,6 +118,7 @@ class Job:
         self.timed_out: set[int] = set()  # pids this job killed as frozen (pids get reused)
         self.hang_timeout = getattr(args, "hang_timeout", 0)  # 0: no watchdog
         self.context: ProcessContext | None = None
+        self._before: set | None = None  # the launcher's other children, as mp.spawn starts the job's
 
     def __enter__(self) -> Job:
         if self.torchrun:
@@ -145,6 +146,7 @@ class Job:
 
     def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> functools.partial[None]:
         """``fn(worker, args)`` as ``mp.spawn``'s ``fn(i, args)``; fn must be module-level."""
+        self._before = set(multiprocessing.active_children())
         return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port,
                                  (self._outbox, self._lock))
 
@@ -176,7 +178,11 @@ class Job:
         if self.torchrun:
             return False
         try:  # only this job's ranks: after an interrupt they still run (a failure's join ended them)
-            running = [p for p in (self.context.processes if self.context else []) if p.is_alive()]
+            if self.context:
+                ours = self.context.processes
+            else:  # interrupted inside mp.spawn, which returns no context: the children it started
+                ours = set(multiprocessing.active_children()) - self._before if self._before is not None else set()
+            running = [p for p in ours if p.is_alive()]
             for p in running:
                 p.terminate()
             for p in running:

@@ -5,6 +5,7 @@ import argparse
 import ast
 import json
 import importlib
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import distkit
 from conftest import REPO, alive, refused_before_launch, run_cli, run_torchrun
@@ -405,6 +407,33 @@ def test_the_profiler_records_every_thread(tmp_path):
         thread.join()
     events = json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
     assert any(e.get("name") == "on another thread" for e in events)
+
+
+def _sleeps(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    time.sleep(120)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_inside_mp_spawn_ends_the_ranks_it_had_started(monkeypatch, capsys):
+    """A Ctrl+C while ``mp.spawn`` still starts ranks: it returns no context to hand the job, and the
+    ranks it had started are ended all the same, and no other child of the launcher's."""
+    other = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    other.start()
+    started = []
+
+    def interrupted_spawn(fn, args, nprocs, join):
+        started.extend(mp.start_processes(fn, args=args, nprocs=1, join=False, start_method="spawn").processes)
+        raise KeyboardInterrupt  # before the second rank, before the context is returned
+
+    monkeypatch.setattr(importlib.import_module("distkit.launch"), "spawn", interrupted_spawn)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            distkit.launch(_sleeps, launch_args(world_size=2))
+        assert exc.value.code == 130 and "interrupted; all workers stopped" in capsys.readouterr().err
+        assert len(started) == 1 and not started[0].is_alive()
+        assert other.is_alive()
+    finally:
+        other.kill()
 
 
 def _frozen_whole(worker: distkit.Worker, args: argparse.Namespace) -> None:
