@@ -123,9 +123,6 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     emb_after = model.emb.weight.full_tensor().cpu()
     reports = [None] * world_size if rank == 0 else None
     dist.gather_object(report, reports, dst=0)
-    # freed while the group lives: on torch 2.10, DDP's and DTensor's objects freed after
-    # destroy_process_group blocked their rank's exit in one run of five (never in 18 runs so)
-    del model
     dist.destroy_process_group()
     if rank != 0:
         return None
