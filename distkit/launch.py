@@ -9,7 +9,7 @@ Every example's ``main()`` writes the tutorial's launch, and hands the job what 
 ``ProcessContext`` it returns holds the job's processes and joins them as ``join=True`` would.
 ``Job`` adds, each piece for the reason beside it:
 - the store, on 127.0.0.1 and a port the OS picks: c10d's listens on every interface, on a set port;
-- a look at its ranks in /proc: one stopped (SIGSTOP) alone, which no peer can see, is killed;
+- a look at its ranks: one stopped (SIGSTOP) alone, which no peer can see, is killed;
 - a pipe from the ranks: their results (``mp.spawn`` returns nothing) and failure records, for the
   first failure's report (``mp.spawn`` reports the first exit it sees; a refused device: exit 2);
 - Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running;
@@ -27,7 +27,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -161,7 +160,7 @@ class Job:
             self._read()
             if self.hang_timeout:
                 pids = [p.pid for p in context.processes if p.exitcode is None]  # not reaped: still ours
-                stopped = {pid: stopped.get(pid, 0) + 1 for pid in pids if _state(pid) in ("T", "t")}
+                stopped = {pid: stopped.get(pid, 0) + 1 for pid in pids if _stopped(pid)}
                 for pid, looks in stopped.items():
                     if looks * POLL > self.hang_timeout + TIMER_MARGIN:
                         self.timed_out.add(pid)
@@ -241,12 +240,14 @@ def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Names
     return job.results
 
 
-def _state(pid: int) -> str | None:
-    """A process's state in /proc (T: stopped), or None."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return None
+def _stopped(pid: int) -> bool:
+    """Whether the rank ``pid``, a child of this process, is stopped (SIGSTOP, or traced): asked of the
+    kernel as its parent, true also in a PID namespace whose /proc is not its own."""
+    try:  # WNOWAIT: the state stays for mp.spawn's own wait; WSTOPPED alone: an exit is not reported here
+        info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped meanwhile
+        return False
+    return info is not None and info.si_code in (os.CLD_STOPPED, os.CLD_TRAPPED)
 
 
 def _die(message: str, status: int = 1) -> None:
