@@ -92,21 +92,23 @@ class Watchdog:
 
     def _guard(self) -> None:
         """Ends the rank when the watchdog thread is stuck in a store call; keeps the timers."""
-        while not self._stop.wait(self.interval):
-            faulthandler.dump_traceback_later(self.timeout + TIMER_MARGIN, exit=True, file=sys.__stderr__)
-            if self.timer is not None:
-                try:
-                    self.timer.acquire(TIMER_SCOPE, time.time() + self.timeout + TIMER_MARGIN)
-                except Exception:
-                    self.timer = None  # the launcher's timer server is gone; the store check stays
-            now = time.monotonic()
-            if now > self._deadline and self._ending.locked():
-                _exit(1)  # the rank's report is out; a store call after it is what hangs
-            if now > self._deadline and not self._stop.is_set():
-                self._give_up(f"rank {self.rank}: the job's rendezvous store has not answered for "
-                              f"{now - self._since:.0f} s (--hang_timeout {self.timeout:g}): its host is "
-                              f"stopped, gone or cut off")
-        faulthandler.cancel_dump_traceback_later()
+        try:
+            while not self._stop.wait(self.interval):
+                faulthandler.dump_traceback_later(self.timeout + TIMER_MARGIN, exit=True, file=sys.__stderr__)
+                if self.timer is not None:
+                    try:
+                        self.timer.acquire(TIMER_SCOPE, time.time() + self.timeout + TIMER_MARGIN)
+                    except Exception:
+                        self.timer = None  # the launcher's timer server is gone; the store check stays
+                now = time.monotonic()
+                if now > self._deadline and self._ending.locked():
+                    _exit(1)  # the rank's report is out; a store call after it is what hangs
+                if now > self._deadline and not self._stop.is_set():
+                    self._give_up(f"rank {self.rank}: the job's rendezvous store has not answered for "
+                                  f"{now - self._since:.0f} s (--hang_timeout {self.timeout:g}): its host is "
+                                  f"stopped, gone or cut off")
+        finally:  # a watchdog stopped in-process (the tests') leaves no timer to end the process
+            faulthandler.cancel_dump_traceback_later()
 
     def _watch(self) -> None:
         """The watchdog thread: whatever goes wrong in it ends the rank with a report."""
