@@ -18,6 +18,7 @@ Every example's ``main()`` writes the tutorial's launch, and hands the job what 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import io
 import logging
@@ -30,10 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessContext, ProcessException
 
-from .rendezvous import STORE_TIMEOUT, agent_hosts_store, connect, host_store, under_torchrun
+from .rendezvous import DONE, STORE_TIMEOUT, agent_hosts_store, connect, host_store, under_torchrun
 from .watchdog import TIMER_MARGIN
 from .worker import Worker, die_with_parent, exit_now, run_rank
 
@@ -110,6 +112,7 @@ class Job:
     def __init__(self, args: argparse.Namespace) -> None:
         self.torchrun = under_torchrun()
         self.ranks = [] if self.torchrun else parse_ranks(args.ranks, args.world_size)
+        self.world_size = args.world_size
         self.nprocs = len(self.ranks)
         self.addr, self.port = args.master_addr or "127.0.0.1", args.master_port or 0
         self.results: dict[int, Any] = {}
@@ -191,6 +194,11 @@ class Job:
                     p.join(5)
             if self.context and not isinstance(exc, KeyboardInterrupt):  # not a record cut by one
                 self._read()
+            if exc is None and self.store is not None and len(self.ranks) < self.world_size:
+                # the store's host stays, as torchrun's agents at their exit barrier, until the ranks on
+                # other machines need it no more (rpc.shutdown reads it): a crashed one costs a wait
+                with contextlib.suppress(dist.DistError):
+                    dist.PrefixStore(DONE, self.store).wait([str(r) for r in range(self.world_size)])
         finally:
             signal.signal(signal.SIGTERM, self._old_term)
             self.store = None

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 STORE_TIMEOUT = timedelta(seconds=120)
+DONE = "distkit/done/"  # the keys of the ranks that need the job's store no more
 
 
 def under_torchrun() -> bool:
@@ -95,12 +96,12 @@ def connect(timeout: timedelta) -> dist.Store:
 
 
 def release_store(rank: int, world_size: int) -> None:
-    """At a rank's end under srun, where rank 0's process hosts the store that every rank's
-    ``rpc.shutdown()`` still reads: each rank says it is done, and rank 0 returns once all have (over
-    two nodes rank 0 once left first, and a peer's shutdown failed with "Connection reset by peer")."""
-    if "DISTKIT_SRUN" not in os.environ:
-        return
-    store = job_store("distkit/done/")
+    """At a rank's end, once it needs the job's store no more: it says so, and the rank 0 that hosts the
+    store (under srun) returns once every rank has, as torchrun's agents wait at their exit barrier. A
+    rank elsewhere may still be in ``rpc.shutdown()``, which reads the store (over two nodes rank 0 once
+    left first, and a peer's shutdown failed with "Connection reset by peer"). distkit's launcher waits
+    the same way when it hosts the store for ranks on other machines (``Job``)."""
+    store = job_store(DONE)
     store.set(str(rank), "1")
     if _hosted is not None:
         store.wait([str(r) for r in range(world_size)])

@@ -88,9 +88,9 @@ def run_rank(fn: Callable, worker: Worker, args: argparse.Namespace,
         cleanup(graceful=False)
         raise
     cleanup(graceful=True)  # watched too: a graceful shutdown waits for every peer
-    release_store(worker.rank, worker.world_size)  # under srun, rank 0 hosts the store: the last to go
-    if watch:
+    if watch:  # before the store may go: a watchdog left reading it would report its loss
         watch.stop()
+    release_store(worker.rank, worker.world_size)  # this rank needs the job's store no more
     return result
 
 
