@@ -15,7 +15,6 @@ from torch.distributed.nn import RemoteModule
 from torch.distributed.rpc import TensorPipeRpcBackendOptions
 
 import distkit
-from ddp_rpc import trainer
 from distkit.args import at_least, positive
 from ddp_rpc.report import MasterReport, print_summary, wait_for_trainers
 from ddp_rpc.trainer import EMBEDDING_DIM, NUM_EMBEDDINGS, TrainConfig, _run_trainer
@@ -87,21 +86,6 @@ def run_master(args: argparse.Namespace) -> dict:
     return report.finish(reports)
 
 
-def trainer_group(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """A trainer's device (for ``_run_trainer``) and its group's arguments: backend, rank, the trainers,
-    a DDP store (tutorial: cuda(rank), gloo, :29500)."""
-    trainers = num_trainers(worker.world_size)
-    where = placement(worker, args)
-    trainer.set_device(where.device)
-    # under its own key prefix in the job's store: not on RPC's keys, not on a second hard-coded port
-    store = distkit.job_store("trainers")
-    # wait for all trainers (one may start late) under the store's timeout: the group's bounds its rendezvous
-    store.set(f"started{worker.rank}", "1")
-    store.wait([f"started{r}" for r in range(trainers)])
-    # trainers on several machines: all NCCL or all gloo, or one line saying who sees what
-    return distkit.process_group_args("trainers", worker.rank, trainers, where, store)
-
-
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     """Initialise each role as the tutorial does; the master returns what training did."""
     trainers = num_trainers(worker.world_size)
@@ -116,9 +100,13 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
                      rpc_backend_options=rpc_backend_options)
         result = run_master(args)
     elif worker.rank < trainers:
-        # Initialize process group for Distributed DataParallel on trainers. Its timeout bounds DDP's
-        # allreduce: a trainer whose peer hangs fails after --rpc_timeout seconds, not 30 minutes.
-        dist.init_process_group(**trainer_group(worker, args), timeout=timedelta(seconds=args.rpc_timeout))
+        # Initialize process group for Distributed DataParallel on trainers (tutorial: gloo, :29500). Its
+        # store: the job's, under its own key prefix. process_group_args waits for every trainer (one may
+        # start late), checks they chose one backend and sets this trainer's GPU; the group's timeout
+        # bounds DDP's allreduce: a trainer whose peer hangs fails after --rpc_timeout s, not 30 minutes
+        group = distkit.process_group_args("trainers", worker.rank, trainers, placement(worker, args),
+                                           distkit.job_store("trainers"))
+        dist.init_process_group(**group, timeout=timedelta(seconds=args.rpc_timeout))
 
         # Initialize RPC.
         trainer_name = f"trainer{worker.rank}"

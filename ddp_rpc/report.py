@@ -1,5 +1,5 @@
-"""Beyond the tutorial, attached from outside: the trainers' reports (``TrainerReport``, a hook on the loss
-function), the master's (``MasterReport``), its fail-fast wait and the summary ``main`` prints at the end."""
+"""Beyond the tutorial: the trainers' reports (``TrainerReport``: the loop records each loss), the master's
+(``MasterReport``), its fail-fast wait and the summary ``main`` prints at the end."""
 from __future__ import annotations
 
 import logging
@@ -35,20 +35,15 @@ class TrainerReport:
     fc_after: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def watch(cls, rank: int, model: torch.nn.Module, criterion: torch.nn.Module,
-              batches_per_epoch: int) -> TrainerReport:
-        """Start reporting on trainer ``rank``: ``fc`` now, and every loss ``criterion`` returns."""
-        report = cls(rank, str(model.device), fc_before=_fc_state(model))
+    def start(cls, rank: int, model: torch.nn.Module) -> TrainerReport:
+        """Start reporting on trainer ``rank``: its ``fc`` now."""
+        return cls(rank, str(model.device), fc_before=_fc_state(model))
 
-        def record_loss(module: torch.nn.Module, inputs: tuple, loss: torch.Tensor) -> None:
-            if not report.losses or len(report.losses[-1]) == batches_per_epoch:
-                report.losses.append([])
-            epoch = len(report.losses) - 1
-            # a nan loss would poison every parameter at the step: stop before it
-            report.losses[-1].append(distkit.check_finite(loss.item(), f"trainer{rank}, epoch {epoch}"))
-
-        criterion.register_forward_hook(record_loss)
-        return report
+    def record(self, epoch: int, loss: torch.Tensor) -> None:
+        """Keep ``loss``, a float, under ``epoch``; a nan loss would poison every parameter at the step."""
+        if len(self.losses) == epoch:
+            self.losses.append([])
+        self.losses[epoch].append(distkit.check_finite(loss.item(), f"trainer{self.rank}, epoch {epoch}"))
 
     def epoch_loss(self, epoch: int) -> float:
         return sum(self.losses[epoch]) / len(self.losses[epoch])

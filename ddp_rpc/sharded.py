@@ -89,12 +89,13 @@ def train(model: ShardedHybridModel, rank: int, config: TrainConfig) -> TrainerR
     opt = torch.optim.SGD([{"params": [p for p in params if not isinstance(p, DTensor)]},
                            {"params": [p for p in params if isinstance(p, DTensor)]}], lr=config.lr)
     criterion = torch.nn.CrossEntropyLoss()
-    report = TrainerReport.watch(rank, model, criterion, config.batches_per_epoch)  # as trainer.py's
+    report = TrainerReport.start(rank, model)  # as trainer.py's
     for epoch in range(config.epochs):
         for indices, offsets, target in get_next_batch(rank, config):
             opt.zero_grad()
             output = model(indices, offsets)
             loss = criterion(output, target.to(model.device))
+            report.record(epoch, loss)
             # DDP averages fc's gradients over the ranks; the table's rows get the sum of every rank's
             # gradient, as the tutorial's table gets one SGD step per trainer (SGD: the same update)
             loss.backward()

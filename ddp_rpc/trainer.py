@@ -1,5 +1,5 @@
 """The tutorial's ``HybridModel``, ``_run_trainer`` and ``get_next_batch``: the master calls ``_run_trainer``
-over RPC, so not in ``main.py`` (``__main__``). Losses, nan check, fc before/after: report.py (a loss hook)."""
+over RPC, so not in ``main.py`` (``__main__``). Each loss recorded, nan check, fc before/after: report.py."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.optim as optim
 from torch.distributed.nn import RemoteModule
@@ -22,16 +23,6 @@ NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
 NUM_CLASSES = 8
 MAX_BAG_SIZE = 10  # the tutorial's offsets advance by 1..10 indices per bag
-
-# This trainer's device, chosen when it started (main.run_worker): the master, which calls
-# _run_trainer later (in one of RPC's threads), cannot know the trainers' GPUs.
-_device = torch.device("cpu")
-
-
-def set_device(device: torch.device) -> None:
-    global _device
-    _device = device
-
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -91,8 +82,11 @@ def _run_trainer(remote_emb_module: RemoteModule, rank: int, config: TrainConfig
     """Called by the master with ``rpc_async``. A forward pass looks up the embedding on the parameter
     server and runs nn.Linear locally; in the backward pass DDP averages the dense part's gradients
     across trainers and distributed autograd sends the table's gradients to the parameter server."""
+    # This trainer's device, the one main.run_worker bound its process group to: its GPU under NCCL (the
+    # tutorial's cuda:rank), else the CPU. The master, which calls this over RPC, cannot know it
+    device = dist.group.WORLD.bound_device_id or torch.device("cpu")
     # Setup the model.
-    model = HybridModel(remote_emb_module, _device)
+    model = HybridModel(remote_emb_module, device)
 
     # Retrieve all model parameters as RRefs for DistributedOptimizer.
 
@@ -108,15 +102,16 @@ def _run_trainer(remote_emb_module: RemoteModule, rank: int, config: TrainConfig
     # can lose an update; stateless, so each trainer's step adds -lr * (its own gradient) to the table
     opt = DistributedOptimizer(SerializedSGD, model_parameter_rrefs, lr=config.lr)
     criterion = torch.nn.CrossEntropyLoss()
-    # beyond the tutorial (report.py): a hook on criterion records every loss (stops on nan), fc before/after
-    report = TrainerReport.watch(rank, model, criterion, config.batches_per_epoch)
+    report = TrainerReport.start(rank, model)  # beyond the tutorial: the losses, fc before and after
+
 
     for epoch in range(config.epochs):
         for indices, offsets, target in get_next_batch(rank, config):
             # create distributed autograd context
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
-                loss = criterion(output, target.to(_device))
+                loss = criterion(output, target.to(device))
+                report.record(epoch, loss)  # a nan loss stops here, before the step would spread it
 
                 # Run distributed backward pass (DDP's allreduce of fc's gradients included)
                 dist_autograd.backward(context_id, [loss])

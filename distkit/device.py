@@ -75,17 +75,20 @@ def process_group_args(group: str, rank: int, world_size: int, placement: Placem
     """``dist.init_process_group``'s arguments: the one process-group start every example shares. Every
     member first checks that all chose its backend (``auto`` found GPUs on one machine only): a
     ``DeviceError`` naming each machine, not a hang inside ``init_process_group``; then this rank's GPU is
-    set, and the store is ``store`` or ``process_group_store()`` (under torchrun, this restart's own)."""
+    set and bound to the group, and the store is ``store`` or ``process_group_store()`` (under torchrun,
+    this restart's own)."""
     seen = job_store(f"distkit/placement/{group}/{restart_key()}")  # a torchrun restart's own keys
     seen.set(str(rank), f"{socket.gethostname()}|{gpu_count()}|{placement.device}|{placement.backend}")
     keys = [str(r) for r in range(world_size)]
     seen.wait(keys, STORE_TIMEOUT)
     if problem := backend_disagreement([seen.get(k).decode().split("|") for k in keys]):
         raise DeviceError(problem)
-    if placement.device.type != "cpu":
+    gpu = placement.device.type != "cpu"
+    if gpu:
         torch.accelerator.set_device_index(placement.device)
+    # device_id binds the group to this rank's GPU (``group.bound_device_id``, read in any thread)
     return {"backend": placement.backend, "store": store or process_group_store(), "rank": rank,
-            "world_size": world_size}
+            "world_size": world_size, **({"device_id": placement.device} if gpu else {})}
 
 
 def backend_disagreement(seen: Sequence[Sequence[str]]) -> str | None:

@@ -4,6 +4,7 @@ on the agent's threads, which it records only with a private option, named only 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,3 +26,4 @@ def profiled(directory: str | None, name: str) -> Iterator[None]:
     path = Path(directory) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
+    logging.getLogger("distkit").info(f"torch.profiler trace written to {path}")

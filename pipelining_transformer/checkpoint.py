@@ -1,6 +1,6 @@
 """Checkpoints that do not care how the model was split (``torch.distributed.checkpoint``): every rank
 saves its stages by the full model's parameter names, the progress and its random state into ``step_<N>/``
-(keys: docs/pipelining_transformer.md); complete once rank 0 has written ``COMPLETE`` with every file's size.
+(keys: docs/pipelining_transformer_train.md); complete once rank 0 has written ``COMPLETE`` with every file's size.
 """
 from __future__ import annotations
 

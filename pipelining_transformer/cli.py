@@ -1,5 +1,5 @@
 """The extras' flags (``add_extra_args``); ``check_args``: one line and exit 2, before any process
-starts, for what the ranks would fail on later; what the flags decide in a rank (``placement``, ...).
+starts, for what the ranks would fail on later; what the flags decide in a rank.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from distkit.args import at_least, path
 from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem
 from pipelining_transformer import checkpoint
 from pipelining_transformer.layout import StageLayout, stage_bounds
+from pipelining_transformer.main import placement
 from pipelining_transformer.model import ModelArgs
 
 
@@ -111,11 +112,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"cannot resume from {path}: {why}")
     args.resume_path = None if path is None else str(path)
     distkit.check_placements(parser, args, placement)
-
-
-def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """Every rank a GPU of its own and NCCL, or all on the CPU with gloo (not ``cuda:<rank>`` by fiat)."""
-    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
 
 
 def model_args_from(args: argparse.Namespace) -> ModelArgs:

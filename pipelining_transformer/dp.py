@@ -40,8 +40,6 @@ def shard_over_dp(stage: PipelineStage, dp_mesh: DeviceMesh) -> None:
 
 def device_mesh(device: torch.device, world_size: int, dp_size: int) -> DeviceMesh:
     """The mesh of ``dp_size`` pipelines, each a block of consecutive ranks (dp_rank * pp_size + pp_rank)."""
-    if world_size % dp_size:
-        raise ValueError(f"world size {world_size} is not divisible by dp_size {dp_size}")
     return init_device_mesh(device.type, (dp_size, world_size // dp_size), mesh_dim_names=("dp", "pp"))
 
 

@@ -1,5 +1,5 @@
-"""What is layered on the tutorial's code, each by a call that says what it does: ``on_build`` (a gloo
-workaround, --dp_size); ``resume`` (--resume); ``RunLog`` (the stages, each step's loss and the run's
+"""What is layered on the tutorial's code, each by a call that says what it does: ``on_build``
+(main.py's gloo fix, --dp_size); ``resume`` (--resume); ``RunLog`` (the stages, each step's loss and the run's
 summary, and the flags' step callbacks: ``Profile`` for --trace, ``LossLog``, ``Checkpoints``).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 
 import distkit
 from pipelining_transformer import checkpoint, dp
+from pipelining_transformer import main as tutorial
 from pipelining_transformer.cli import data_settings_from, layout_from
 
 log = logging.getLogger(__name__)
@@ -29,25 +30,13 @@ log = logging.getLogger(__name__)
 def on_build(stages: list[PipelineStage], args: argparse.Namespace, env: dp.DistEnv) -> list[PipelineStage]:
     """The build phase's extras, on the stages the tutorial's split built."""
     for stage in stages:
-        _send_contiguous_input_grads(stage)  # torch's pipelining on gloo; harmless on NCCL
+        tutorial.send_contiguous_input_grads(stage)  # main.py's gloo fix; the zero-bubble schedules too
         if env.dp_size > 1:
-            dp.shard_over_dp(stage, env.mesh["dp"])  # before main.build_rank makes the optimizers
+            dp.shard_over_dp(stage, env.mesh["dp"])  # before train.build_rank makes the optimizers
     if env.dp_rank:
         # each replica's own dropout masks (replica 0's: a run's without --dp_size), after the split
         torch.manual_seed(args.seed + 1_000_003 * env.dp_rank)
     return stages
-
-
-def _send_contiguous_input_grads(stage: PipelineStage) -> None:
-    """The gradient a stage sends back, made contiguous: attention (batch_first) makes it a transposed
-    view, which a manual ``PipelineStage`` and the zero-bubble schedules' input-only backward send as
-    it is, and gloo refuses ("input tensor has to be contiguous")."""
-    def hook(module: torch.nn.Module, args: tuple) -> None:
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.requires_grad:
-                a.register_hook(torch.Tensor.contiguous)
-
-    stage.submod.register_forward_pre_hook(hook)
 
 
 def resume(args: argparse.Namespace, pp) -> int:
@@ -69,7 +58,7 @@ def resume(args: argparse.Namespace, pp) -> int:
 
 
 class RunLog:
-    """The run as ``main.train`` reports it: the stages at the start, each step's loss (and the step
+    """The run as ``train.train`` reports it: the stages at the start, each step's loss (and the step
     callbacks), the time, peak memory and losses at the end: what ``run_worker`` returns."""
 
     def __init__(self, args: argparse.Namespace, pp, callbacks: list[StepCallback]) -> None:
@@ -94,7 +83,7 @@ class RunLog:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak resident; Linux: KiB
         losses = f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}" if self.losses else ""
         log.info(f"{self.args.steps - first_step} steps in {seconds:.1f} s, peak memory {peak_mb:.0f} MB{losses}")
-        # what main.run_worker returns to the launcher, with the split the run used (auto's choice)
+        # what train.run_worker returns to the launcher, with the split the run used (auto's choice)
         return {"losses": self.losses or None, "seconds": seconds, "peak_mb": peak_mb,
                 "first_step": first_step, "stage_layers": list(self.pp.layout.stage_layers)}
 

@@ -1,51 +1,63 @@
 """Pipeline-parallel training of a GPT-style transformer with torch.distributed.pipelining.
 
 The tutorial "Introduction to Distributed Pipeline Parallelism", top to bottom (its model in model.py):
-``init_distributed``, the model cut into stages (``manual_model_split`` or ``tracer_model_split``),
-``ScheduleGPipe`` and the step by role in ``train``, --steps times; exit status 0 if the loss fell.
-Each extra is behind its flag and enters by a named call (extras.py, docs/pipelining_transformer.md).
-Roles: the rank holding stage 0 feeds the tokens (``schedule.step(x)``); the one holding the last stage
-feeds the targets and prints the batch's loss (``schedule.step(target=y, losses=losses)``); any rank in
-between relays activations and gradients (``schedule.step()``); every rank steps an optimizer per stage.
-    .venv/bin/python pipelining_transformer/main.py --world_size 2   # spawned here; gloo unless a GPU each
+``init_distributed``, the model cut into one stage per rank (``manual_model_split`` or
+``tracer_model_split``), ``ScheduleGPipe``, and the step by role in ``train``, --steps times; exit
+status 0 if the loss fell. Roles: rank 0 holds the first stage and feeds the tokens
+(``schedule.step(x)``); the last rank holds the last stage, feeds the targets and prints the batch's loss
+(``schedule.step(target=y, losses=losses)``); a rank in between relays activations and gradients.
     .venv/bin/torchrun --nproc_per_node 2 pipelining_transformer/main.py   # as the tutorial launches it
+    .venv/bin/python pipelining_transformer/main.py --world_size 2         # the processes spawned here
+Multi-stage schedules, data parallelism, checkpoints and traces: train.py, the program beside this one.
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import os
-from collections.abc import Iterator, Sequence
+import sys
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
 import distkit
 from distkit.args import at_least, positive, probability
-from distkit.schedules import SCHEDULES, is_multi_stage
-from pipelining_transformer import dp, extras
-from pipelining_transformer.cli import add_extra_args, check_args, model_args_from, placement, schedule_name
-from pipelining_transformer.dp import DistEnv
-from pipelining_transformer.layout import StageLayout, stage_layout
+from distkit.schedules import schedule_problem
 from pipelining_transformer.model import (ModelArgs, Transformer, make_optimizer, synthetic_batch,
                                           tokenwise_loss_fn)
 
 log = logging.getLogger(__name__)
+# the single-stage-per-rank schedules the tutorial names, by --schedule
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 
 
-def init_distributed(where: distkit.Placement, dp_size: int = 1) -> DistEnv:
-    """Join the process group torchrun (or distkit) describes, on ``placement``'s ``where``."""
-    rank = int(os.environ["RANK"])  # the tutorial used LOCAL_RANK: wrong beyond one machine
-    world_size = int(os.environ["WORLD_SIZE"])
-    # distkit: one backend on every machine, this rank's GPU, and under torchrun a store of this
-    # restart's own, not the one its killed predecessor left
-    dist.init_process_group(**distkit.process_group_args("pp", rank, world_size, where))
-    # pp_group, "a sub-group in the N-D parallel case": of a ("dp", "pp") mesh, one pipeline by default
-    return DistEnv(where.device, dp.device_mesh(where.device, world_size, dp_size))
+@dataclass
+class Pipeline:
+    """The tutorial's globals, one value: this rank, its device, the group and its stage."""
+
+    rank: int
+    device: torch.device
+    pp_group: dist.ProcessGroup
+    stage_index: int
+    num_stages: int
+
+
+def init_distributed(worker: distkit.Worker, where: distkit.Placement) -> Pipeline:
+    """Join the process group torchrun (or distkit.Job) describes; the rank is read from the group."""
+    # distkit: one backend on every machine (a refusal, not a hang) and this rank's GPU; under torchrun
+    # a store of this restart's own. The launcher chose the device: a GPU per rank, else the CPU
+    dist.init_process_group(**distkit.process_group_args("pp", worker.rank, worker.world_size, where))
+    rank, world_size = dist.get_rank(), dist.get_world_size()  # RANK, not the tutorial's LOCAL_RANK
+    # This group can be a sub-group in the N-D parallel case
+    pp_group = dist.new_group()
+    return Pipeline(rank, where.device, pp_group, stage_index=rank, num_stages=world_size)
+
+
+def stage_layers(n_layers: int, stage_index: int, num_stages: int) -> range:
+    """The layers of stage ``stage_index``: the tutorial's ``range(4)`` and ``range(4, 8)`` for any count."""
+    return range(stage_index * n_layers // num_stages, (stage_index + 1) * n_layers // num_stages)
 
 
 def manual_model_split(model: Transformer, stage_index: int, num_stages: int, layers: range,
@@ -70,119 +82,95 @@ def manual_model_split(model: Transformer, stage_index: int, num_stages: int, la
     return stage
 
 
-def tracer_model_split(model: Transformer, example_input_microbatch: torch.Tensor,
-                       split_points: list[str], stage_indices: Sequence[int], device: torch.device,
-                       pp_group: dist.ProcessGroup | None = None) -> list[PipelineStage]:
-    """Option 2: trace ``model``, cut before each of ``split_points`` ("layers.4"), build this rank's stages."""
+def tracer_model_split(model: Transformer, example_input_microbatch: torch.Tensor, split_points: list[str],
+                       stage_index: int, device: torch.device, pp_group: dist.ProcessGroup) -> PipelineStage:
+    """Option 2: trace ``model``, cut before each of ``split_points`` ("layers.4"), build this rank's stage."""
     pipe = pipeline(
         module=model,
         mb_args=(example_input_microbatch,),
         split_spec={name: SplitPoint.BEGINNING for name in split_points},
     )
-    if len(stage_indices) == 1:  # the tutorial's one stage per rank
-        return [pipe.build_stage(stage_indices[0], device, pp_group)]
-    # several a rank: build_stage's stage greets its neighbours before the first step, one on its own
-    # rank too (a V's middle), which gloo cannot; a PipelineStage around the same module hands over in memory
-    return [PipelineStage(pipe.get_stage_module(i).to(device), i, pipe.num_stages, device, group=pp_group)
-            for i in stage_indices]
+    stage = pipe.build_stage(stage_index, device, pp_group)
+    return stage
 
 
-def build_schedule(stages: list[PipelineStage], name: str, n_microbatches: int):
-    """The tutorial's ``ScheduleGPipe``, or the --schedule the user named, built the same way."""
-    if name != "GPipe":  # 1F1B, Interleaved1F1B, ZBVZeroBubble, ...: a multi-stage one drives
-        stage_arg = stages if is_multi_stage(name) else stages[0]  # all of this rank's stages
-        return SCHEDULES[name](stage_arg, n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
-    return ScheduleGPipe(stages[0], n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)
+def send_contiguous_input_grads(stage: PipelineStage) -> None:
+    """Make the gradient a stage sends back contiguous: attention (batch_first) leaves it a transposed
+    view, which a manual ``PipelineStage`` sends as it is and gloo refuses ("input tensor has to be
+    contiguous"); torch 2.14.1. A traced stage's is contiguous already, but not in train.py's
+    zero-bubble schedules' input-only backward."""
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                a.register_hook(torch.Tensor.contiguous)
+
+    stage.submod.register_forward_pre_hook(hook)
 
 
-@dataclass
-class PipelineRank:
-    """What one rank holds: its stages, the schedule that drives them, an optimizer per stage."""
-
-    stages: list[PipelineStage]
-    schedule: Any
-    optimizers: list[torch.optim.Optimizer]
-    layout: StageLayout
-    env: DistEnv
-
-    def __post_init__(self) -> None:
-        self.has_first, self.has_last = any(s.is_first for s in self.stages), any(s.is_last for s in self.stages)
-        self.reports = self.has_last and self.env.dp_rank == 0  # one rank prints the batch's loss
-
-    def batch_loss(self, losses: list[torch.Tensor], step: int) -> float | None:
-        """The batch's mean loss where the last stage is (a collective over the replicas), else None."""
-        if not self.has_last:
-            return None
-        loss = torch.stack(losses).detach().mean()
-        loss = dp.mean_over_replicas(loss, self.env.dp_size, self.env.dp_group).item()
-        return distkit.check_finite(loss, f"step {step + 1}")  # not finite: the run ends
-
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under the full model's names ("layers.3.linear1.weight")."""
-        for stage in self.stages:
-            yield from stage.submod.named_parameters()
+def train_step(schedule, optimizers: list[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor,
+               is_first: bool, is_last: bool) -> list[torch.Tensor]:
+    """One optimizer step of the whole batch: the tutorial's ``schedule.step`` by role, between
+    ``zero_grad`` (the schedule adds each micro-batch's gradient to ``.grad``) and the optimizer's step.
+    Returns the micro-batch losses on the last stage, else ``[]``."""
+    for opt in optimizers:
+        opt.zero_grad()
+    losses: list[torch.Tensor] = []
+    target, kept = (y, losses) if is_last else (None, None)  # the last stage computes the loss
+    if is_first:  # the tutorial's rank 0 (and a "V" schedule's rank holding the last stage too)
+        schedule.step(x, target=target, losses=kept, return_outputs=False)
+    else:  # the merged logits are not read: return_outputs=False keeps them from being merged
+        schedule.step(target=target, losses=kept, return_outputs=False)
+    for opt in optimizers:
+        opt.step()
+    return losses
 
 
-def build_rank(args: argparse.Namespace, env: DistEnv) -> PipelineRank:
-    """This rank's stages, cut from the same seeded full model that every rank builds."""
-    torch.manual_seed(args.seed)
-    model_args = model_args_from(args)
+def train(args: argparse.Namespace, pp: Pipeline) -> list[float]:
+    """The tutorial's ``__main__`` after ``init_distributed``, its step --steps times: the batch's loss
+    per step on the last stage (what it prints), else ``[]``."""
+    torch.manual_seed(args.seed)  # every rank builds the same model and keeps its stage of it
+    model_args = ModelArgs(args.dim, args.n_layers, args.n_heads, args.vocab_size, args.dropout)
     model = Transformer(model_args)
-    layout = stage_layout(args, env, model)  # the tutorial's stage_index, num_stages (layout.py)
     if args.split == "manual":  # Option 1: manual model splitting
-        stages = [manual_model_split(m, i, layout.num_stages, layout.layers(i), env.device, env.pp_group)
-                  for m, i in layout.stage_models(model)]
-    else:  # Option 2: tracer model splitting
-        example_input_microbatch = torch.zeros(layout.rows, args.seq_len, dtype=torch.long)
-        stages = tracer_model_split(model, example_input_microbatch, layout.split_points,
-                                    layout.stage_indices, env.device, env.pp_group)
-    stages = extras.on_build(stages, args, env)  # the build phase's extras (extras.py)
-    schedule = build_schedule(stages, args.schedule, args.n_microbatches)
-    optimizers = [make_optimizer(args.optimizer, s.submod.parameters(), args.lr) for s in stages]
-    return PipelineRank(stages, schedule, optimizers, layout, env)
-
-
-def train(args: argparse.Namespace, env: DistEnv, callbacks_for=extras.callbacks_for) -> dict:
-    """The training loop: the tutorial's step, --steps times; the extras enter by the calls named extras."""
-    pp = build_rank(args, env)
-    first_step = extras.resume(args, pp)  # --resume: the step after the checkpoint's, else 0
-    run = extras.RunLog(args, pp, callbacks_for(args, pp))  # the losses; --trace, --loss_log, checkpoints
-    for step in range(first_step, args.steps):
-        # the tutorial's dummy data, made learnable; with --dp_size, this replica's rows of it
-        x, y = dp.replica_rows(synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size,
-                                               args.seed), env.dp_rank, env.dp_size)
-        x, y = x.to(env.device), y.to(env.device)
-        for opt in pp.optimizers:
-            opt.zero_grad(set_to_none=True)  # step() sums micro-batch grads, divides by their count
-        losses: list[torch.Tensor] = []
-        if pp.has_first and pp.has_last:  # ZBVZeroBubble, DualPipeV: a "V" puts both on one rank
-            pp.schedule.step(x, target=y, losses=losses, return_outputs=False)
-        elif pp.has_first:
-            pp.schedule.step(x)
-        elif pp.has_last:  # the outputs (every micro-batch's logits) are not read: not kept, not merged
-            pp.schedule.step(target=y, losses=losses, return_outputs=False)
-        else:
-            pp.schedule.step()
-        for opt in pp.optimizers:
-            opt.step()
-        loss = pp.batch_loss(losses, step)  # the batch's mean, where the last stage is
-        if pp.reports:
+        layers = stage_layers(args.n_layers, pp.stage_index, pp.num_stages)
+        stage = manual_model_split(model, pp.stage_index, pp.num_stages, layers, pp.device, pp.pp_group)
+        send_contiguous_input_grads(stage)
+    else:  # Option 2: tracer model splitting, before the first layer of each later stage
+        example_input_microbatch = torch.zeros(args.batch_size // args.n_microbatches, args.seq_len,
+                                               dtype=torch.long)  # only its shape and dtype are read
+        split_points = [f"layers.{stage_layers(args.n_layers, s, pp.num_stages).start}"
+                        for s in range(1, pp.num_stages)]
+        stage = tracer_model_split(model, example_input_microbatch, split_points, pp.stage_index,
+                                   pp.device, pp.pp_group)
+    log.info(f"stage {pp.stage_index} of {pp.num_stages} on {pp.device} ({args.split} split)")
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.n_microbatches, loss_fn=tokenwise_loss_fn)
+    optimizer = make_optimizer(args.optimizer, stage.submod.parameters(), args.lr)
+    batch_losses = []
+    for step in range(args.steps):
+        x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
+        x, y = x.to(pp.device), y.to(pp.device)
+        losses = train_step(schedule, [optimizer], x, y, stage.is_first, stage.is_last)
+        if stage.is_last:  # the batch's loss: the mean of its micro-batches'
+            loss = distkit.check_finite(torch.stack(losses).mean().item(), f"step {step + 1}")
             log.info(f"step {step + 1}/{args.steps}  loss {loss:.4f}")
-        run.on_step_end(step, loss if pp.reports else None)
-    return run.on_train_end(first_step)  # the callbacks' last word, and the run's summary
+            batch_losses.append(loss)
+    return batch_losses
 
 
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    env = init_distributed(placement(worker, args), args.dp_size)
-    result = train(args, env)
+def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float]:
+    pp = init_distributed(worker, placement(worker, args))
+    losses = train(args, pp)
     dist.destroy_process_group()
-    return result
+    return losses
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = distkit.ArgumentParser(description="Pipeline parallelism with torch.distributed.pipelining")
-    parser.add_argument("--schedule", type=schedule_name, default="GPipe", metavar="NAME",
-                        help=f"pipeline schedule, one of: {', '.join(SCHEDULES)}")
+def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+    """A GPU of its own and NCCL for every rank of this machine, or all on the CPU with gloo."""
+    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the tutorial's constants: its split, micro-batches, data and model."""
     parser.add_argument("--split", choices=("manual", "tracer"), default="manual",
                         help="cut the model by deleting parts (manual) or by tracing it (tracer)")
     parser.add_argument("--n_microbatches", type=at_least(1), default=4, metavar="M",
@@ -201,11 +189,32 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("dim", "n_layers", "n_heads", "vocab_size", "dropout"):
         model.add_argument(f"--{name}", type=probability if name == "dropout" else at_least(1),
                            default=getattr(defaults, name))
-    add_extra_args(parser)  # --stage_layers, --dp_size, --loss_log, --trace, checkpoints
-    # --hang_timeout 60: the longest time without progress in the README's runs was 1.5 s on a loaded 2-core machine,
-    # and a stalled quick start should end with every rank's stack within a minute (issue 45)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = distkit.ArgumentParser(description="Pipeline parallelism with torch.distributed.pipelining")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="GPipe",
+                        help="one stage per rank; the multi-stage schedules: train.py")
+    add_training_args(parser)
+    # the longest time without progress in the README's runs was 1.5 s on a loaded 2-core machine
     distkit.add_launch_args(parser, world_size=2, hang_timeout=60)
     return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What the ranks would fail on, refused before any starts (one line, exit 2)."""
+    distkit.check_launch_args(parser, args)
+    num_stages = args.world_size  # one stage per rank
+    if args.batch_size % args.n_microbatches:
+        parser.error(f"--batch_size {args.batch_size} is not divisible by --n_microbatches {args.n_microbatches}")
+    if args.dim % args.n_heads:
+        parser.error(f"--dim {args.dim} is not divisible by --n_heads {args.n_heads}")
+    if num_stages > args.n_layers:
+        parser.error(f"{num_stages} stages need at least one of --n_layers {args.n_layers} layers each")
+    if problem := schedule_problem(args.schedule, num_stages, args.n_microbatches):
+        parser.error(f"{args.schedule} cannot run --n_microbatches {args.n_microbatches} on {num_stages} "
+                     f"ranks: {problem}")
+    distkit.check_placements(parser, args, placement)  # --device cuda without a GPU a rank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,9 +227,11 @@ def main(argv: list[str] | None = None) -> int:
             job.run(run_worker, args)
         else:
             job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
-    if args.trace is not None and job.results:
-        print(f"torch.profiler traces written to {args.trace}/rank<N>.json")
-    return extras.exit_status(job.results)  # 1 if the loss of a run from step 0 did not fall
+    losses = next((r for r in job.results.values() if r), [])  # the last stage's (torchrun: if here)
+    if len(losses) > 1 and not losses[-1] < losses[0]:
+        print(f"The loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

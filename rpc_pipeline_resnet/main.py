@@ -10,7 +10,7 @@ import argparse
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -38,7 +38,7 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image_size", type=at_least(1), default=128, help="image width and height")
     parser.add_argument("--num_batches", type=at_least(1), default=3, help="timed batches per run")
     parser.add_argument("--warmup", type=at_least(0), default=1,
-                        help="untimed batches first (set-up would slow whichever run is first)")
+                        help="batches first that the benchmark's meters leave out (set-up slows them)")
     parser.add_argument("--num_classes", type=at_least(1), default=NUM_CLASSES, help="classes (fc outputs)")
     parser.add_argument("--lr", type=positive, default=0.05, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
@@ -54,24 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def default_hang_timeout(batch_size: int, image_size: int) -> float:
-    """--hang_timeout's default, from the longest time without progress (a forward), measured on a loaded
-    2-core machine (issue 45): 12 s in the default run, 16 images of 128 px; 30 s with the tutorial's 120,
-    one backward over the whole batch. A stalled quick start ends within a minute; a large batch, in five."""
-    return 60.0 if batch_size * image_size ** 2 <= 16 * 128 ** 2 else 300.0
-
-
 def feature_size(image_size: int, halvings: int) -> int:
-    """Height (= width) after ``halvings`` of conv1, maxpool, layer2, layer3, layer4."""
-    for _ in range(halvings):
-        image_size = (image_size - 1) // 2 + 1
-    return image_size
+    """Height (= width) after ``halvings`` of conv1, maxpool, layer2, layer3, layer4: each rounds up."""
+    return -(-image_size // 2 ** halvings)
 
 
 def check_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for n in args.splits:
-        if n > args.batch_size:
-            parser.error(f"--splits values must be in 1..{args.batch_size} (--batch_size), got {n}")
+    if max(args.splits) > args.batch_size:
+        parser.error(f"--splits values must be in 1..{args.batch_size} (--batch_size), got {max(args.splits)}")
     smallest = args.batch_size // max(args.splits)
     in_layer3 = smallest * feature_size(args.image_size, 4) ** 2
     in_layer4 = smallest * feature_size(args.image_size, 5) ** 2
@@ -85,10 +75,14 @@ def check_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.hang_timeout is None:
-        args.hang_timeout = default_hang_timeout(args.batch_size, args.image_size)
+        # the longest time without progress (a forward) on a loaded 2-core machine: 12 s in the default run,
+        # 16 images of 128 px; 30 s with the tutorial's 120. A stalled quick start ends within a minute
+        args.hang_timeout = 60.0 if args.batch_size * args.image_size ** 2 <= 16 * 128 ** 2 else 300.0
     distkit.check_launch_args(parser, args, min_world_size=3, max_world_size=3)
     check_batch_args(parser, args)
     distkit.check_placements(parser, args, placement)
+    if args.threads is None:  # the master only computes the loss: the two shards share the cores
+        args.threads = distkit.threads_per_process(min(2, len(distkit.local_workers(args))))
 
 
 def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
@@ -98,32 +92,13 @@ def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Place
     return distkit.Placement(distkit.pick_device(args.device, worker.rank - 1))
 
 
-def shard_devices(args: argparse.Namespace) -> list[torch.device]:
-    """Each worker picks its shard's device itself, knowing its own GPUs (see ``placement``)."""
-    return [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i)) for i, name in enumerate(WORKERS)]
-
-
-class BatchClock:
-    """An ``on_batch`` that adds up the seconds of the batches after the --warmup ones."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.seconds = warmup, 0.0
-
-    @contextlib.contextmanager
-    def __call__(self, model: object, i: int) -> Iterator[None]:
-        tik = time.perf_counter()
-        yield
-        if i >= self.warmup:
-            self.seconds += time.perf_counter() - tik
-
-
-def run_master(num_split: int, args: argparse.Namespace,
-               on_batch: Callable[[DistResNet50, int], contextlib.AbstractContextManager]
-               = lambda model, i: contextlib.nullcontext()) -> list[float]:  # the tutorial's loop alone
+def run_master(num_split: int, args: argparse.Namespace, devices: list[torch.device],
+               on_batch: Callable[[DistResNet50, int], object] = lambda model, i: contextlib.nullcontext()
+               ) -> list[float]:  # the tutorial's loop alone
     """The tutorial's training loop, ``num_split`` micro-batches a batch; returns the losses.
-    ``on_batch(model, i)`` is entered around each batch (``BatchClock``, the benchmark's meters)."""
+    ``on_batch(model, i)`` is entered around each batch (the benchmark's meters, the pictures' marks)."""
     # put the two model parts on worker1 and worker2 respectively (from --seed: the same weights every time)
-    model = DistResNet50(num_split, WORKERS, shard_devices(args), num_classes=args.num_classes, seed=args.seed)
+    model = DistResNet50(num_split, WORKERS, devices, num_classes=args.num_classes, seed=args.seed)
     loss_fn = nn.MSELoss()
     opt = DistributedOptimizer(
         optim.SGD,
@@ -150,41 +125,30 @@ def run_master(num_split: int, args: argparse.Namespace,
     return losses
 
 
-def rpc_backend_options(args: argparse.Namespace) -> rpc.TensorPipeRpcBackendOptions:
-    # TCP ("uv") only, as between machines: the shared-memory transport busy-polls (15 % of a core idle)
-    return rpc.TensorPipeRpcBackendOptions(num_worker_threads=128, rpc_timeout=args.rpc_timeout,
-                                           _transports=["uv"])
-
-
-def set_up_process(worker: distkit.Worker, args: argparse.Namespace) -> None:
-    """Beyond the tutorial, in every process before RPC starts (``run_worker``'s one call)."""
+def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
+    """Rank 0, the master, returns one run per --splits value (its seconds and losses); ranks 1 and 2 host
+    the shards."""
     torch.manual_seed(args.seed + worker.rank)
     distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
-    if worker.rank != 0 and args.threads is None:
-        # the master only computes the loss: the two shards share the cores, so both can run
-        torch.set_num_threads(distkit.threads_per_process(min(2, worker.local_world_size)))
-
-
-def timed(num_split: int, args: argparse.Namespace) -> dict:
-    """The tutorial's timed ``run_master(num_split)`` (less --warmup): split, seconds, losses."""
-    clock = BatchClock(args.warmup)
-    with record_function(f"number of splits = {num_split}"):  # a span in the --trace
-        losses = run_master(num_split, args, on_batch=clock)
-    log.info(f"number of splits = {num_split}, execution time = {clock.seconds}")
-    log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
-    return {"num_split": num_split, "time": clock.seconds, "losses": losses}
-
-
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
-    """Rank 0, the master, returns one ``timed`` run per --splits value; ranks 1 and 2 host the shards."""
-    set_up_process(worker, args)
-    options = rpc_backend_options(args)
+    # TCP ("uv") only, as between machines: the shared-memory transport busy-polls (15 % of a core idle)
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=128, rpc_timeout=args.rpc_timeout,
+                                              _transports=["uv"])
     runs = None
     with distkit.profiled(args.trace, f"rank{worker.rank}"):
         if worker.rank == 0:
             rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)
-            log.info(f"shards on {' and '.join(map(str, shard_devices(args)))}")  # what --device chose
-            runs = [timed(num_split, args) for num_split in args.splits]
+            # each worker picks its shard's device, knowing its own GPUs, as ``placement`` did before launch
+            devices = [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i)) for i, name in enumerate(WORKERS)]
+            log.info(f"shards on {' and '.join(map(str, devices))}")
+            runs = []
+            for num_split in args.splits:
+                tik = time.time()
+                with record_function(f"number of splits = {num_split}"):  # a span in the --trace
+                    losses = run_master(num_split, args, devices)
+                tok = time.time()
+                log.info(f"number of splits = {num_split}, execution time = {tok - tik}")
+                log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
+                runs.append({"num_split": num_split, "time": tok - tik, "losses": losses})
         else:
             rpc.init_rpc(f"worker{worker.rank}", rank=worker.rank, world_size=worker.world_size,
                          rpc_backend_options=options)
@@ -203,8 +167,6 @@ def main(argv: list[str] | None = None) -> int:
             job.run(run_worker, args)
         else:
             job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
-    if args.trace is not None and job.results:
-        print(f"torch.profiler traces written to {args.trace}/rank<N>.json")
     return 0
 
 

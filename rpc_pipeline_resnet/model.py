@@ -3,9 +3,8 @@ on its RPC worker by the master's ``DistResNet50``, which fires ``num_split`` mi
 shard 2 works on micro-batch i, shard 1 works on i + 1. One ``seed``: the same weights whatever ran before."""
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -15,18 +14,6 @@ from torch.distributed.rpc import RRef
 from torchvision.models.resnet import Bottleneck
 
 NUM_CLASSES = 1000
-
-
-@contextlib.contextmanager
-def seeded(seed: int | None) -> Iterator[None]:
-    """Draw from ``torch.manual_seed(seed)`` inside, leave the global generator as it was."""
-    if seed is None:
-        yield
-        return
-    # devices=[]: weights are initialised on the CPU (and moved after), so CUDA's generators are left alone
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
@@ -77,11 +64,13 @@ class ResNetBase(nn.Module):
 class ResNetShard1(ResNetBase):
     """First half of ResNet50 (conv1 .. layer2), on worker1. Returns CPU activations."""
 
-    def __init__(self, device: torch.device | str, *args: Any, seed: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, device: torch.device | str, *args: Any, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(Bottleneck, 64, *args, **kwargs)
         self.device = torch.device(device)
-        # initialised on the CPU from the seed, then moved (the tutorial drew on the GPU's generator)
-        with seeded(seed):
+        # initialised on the CPU from the seed, then moved (the tutorial drew on the GPU's generator); the
+        # global generator left as it was. devices=[]: CUDA's generators are not drawn from
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
             self.seq = nn.Sequential(
                 nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False),
                 self._norm_layer(self.inplanes),
@@ -109,10 +98,11 @@ class ResNetShard1(ResNetBase):
 class ResNetShard2(ResNetBase):
     """Second half of ResNet50 (layer3 .. avgpool, fc), on worker2. Returns CPU logits."""
 
-    def __init__(self, device: torch.device | str, *args: Any, seed: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, device: torch.device | str, *args: Any, seed: int = 1, **kwargs: Any) -> None:
         super().__init__(Bottleneck, 512, *args, **kwargs)
         self.device = torch.device(device)
-        with seeded(seed):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
             self.seq = nn.Sequential(
                 self._make_layer(256, 6, stride=2),
                 self._make_layer(512, 3, stride=2),
@@ -140,23 +130,22 @@ class DistResNet50(nn.Module):
 
     def __init__(self, num_split: int, workers: Sequence[str],
                  devices: Sequence[torch.device | str] = ("cpu", "cpu"), *args: Any,
-                 seed: int | None = None, **kwargs: Any) -> None:
+                 seed: int = 0, **kwargs: Any) -> None:
         super().__init__()
         self.num_split = num_split
-        seeds = (None, None) if seed is None else (seed, seed + 1)
         # Put the first part of the ResNet50 on workers[0]
         self.p1_rref = rpc.remote(
             workers[0],
             ResNetShard1,
             args=(devices[0],) + args,
-            kwargs={**kwargs, "seed": seeds[0]},
+            kwargs={**kwargs, "seed": seed},
         )
         # Put the second part of the ResNet50 on workers[1]
         self.p2_rref = rpc.remote(
             workers[1],
             ResNetShard2,
             args=(devices[1],) + args,
-            kwargs={**kwargs, "seed": seeds[1]},
+            kwargs={**kwargs, "seed": seed + 1},
         )
         # rref.rpc_async() without the RRef's type yet sends the RPC from a callback outside the dist_autograd
         # context: no gradients, silently. Learn both types now, as the proxies do (private: no public way).

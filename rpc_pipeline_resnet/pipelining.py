@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -19,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import distkit
 from distkit.schedules import schedule_problem  # builds the schedule around stand-in stages
-from rpc_pipeline_resnet.main import BatchClock, add_batch_args, check_batch_args
+from rpc_pipeline_resnet.main import add_batch_args, check_batch_args
 from rpc_pipeline_resnet.model import ResNetBase, ResNetShard1, ResNetShard2
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ def runnable_splits(default: list[int], schedule: str) -> list[int]:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     distkit.check_launch_args(parser, args, min_world_size=2, max_world_size=2)
-    if args.splits is None:
+    given = args.splits is not None  # else main.py's list, less what the schedule refuses (checked there)
+    if not given:
         args.splits = runnable_splits(args.default_splits, args.schedule)
     check_batch_args(parser, args)
     for n in args.splits:
@@ -62,8 +64,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--splits values must divide --batch_size {args.batch_size} "
                          f"(torch.distributed.pipelining's micro-batches are equal), got {n}")
         # PyTorch's own answer, before launch (1F1B wants a micro-batch per stage)
-        problem = schedule_problem(args.schedule, 2, n)
-        if problem:
+        if given and (problem := schedule_problem(args.schedule, 2, n)):
             parser.error(f"--schedule {args.schedule} --splits {n}: {problem} "
                          f"(torch {torch.__version__.split('+')[0]})")
     distkit.check_placements(parser, args, placement)
@@ -118,14 +119,12 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
                  on_batch: Callable[[PipelineStage, int], contextlib.AbstractContextManager]
                  = lambda stage, i: contextlib.nullcontext()) -> list[float]:  # the loop alone
     """main.py's ``run_master`` on one rank, pipelined by a schedule; returns the losses (rank 1; rank 0 none).
-    ``on_batch(stage, i)`` is entered around each batch (``BatchClock``, the benchmark's meters)."""
+    ``on_batch(stage, i)`` is entered around each batch (the benchmark's meters, the pictures' marks)."""
     stage_index, num_stages = rank, 2  # one stage per rank
     stage = manual_model_split(stage_index, num_stages, device, args)
     loss_fn = nn.MSELoss()
-    if args.schedule == "GPipe":  # the tutorial's schedule; --schedule 1F1B is built the same way
-        schedule = ScheduleGPipe(stage, n_microbatches=num_split, loss_fn=loss_fn)
-    else:
-        schedule = SCHEDULES[args.schedule](stage, n_microbatches=num_split, loss_fn=loss_fn)
+    # the tutorial's ScheduleGPipe, or Schedule1F1B (--schedule), built the same way
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=num_split, loss_fn=loss_fn)
     opt = optim.SGD(stage.submod.parameters(), lr=args.lr)
 
     # the data main.py's run_master draws, from the same seed: rank 0 needs the images, rank 1 the labels
@@ -165,11 +164,12 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
     runs = []
     with distkit.profiled(args.trace, f"rank{rank}"):
         for num_split in args.splits:
-            clock = BatchClock(args.warmup)
-            losses = run_pipeline(num_split, args, rank, device, on_batch=clock)
-            runs.append({"num_split": num_split, "time": clock.seconds, "losses": losses})
+            tik = time.time()  # as main.py times run_master
+            losses = run_pipeline(num_split, args, rank, device)
+            tok = time.time()
+            runs.append({"num_split": num_split, "time": tok - tik, "losses": losses})
             if rank == 0:
-                log.info(f"number of splits = {num_split}, execution time = {clock.seconds}")
+                log.info(f"number of splits = {num_split}, execution time = {tok - tik}")
             else:
                 log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
     dist.destroy_process_group()
@@ -186,8 +186,6 @@ def main(argv: list[str] | None = None) -> int:
             job.run(run_worker, args)
         else:
             job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
-    if args.trace is not None and 0 in job.results:
-        print(f"torch.profiler traces written to {args.trace}/rank<N>.json")
     return 0
 
 

@@ -17,9 +17,8 @@ import torch.multiprocessing as mp
 
 import distkit
 from distkit.args import at_least, path, up_to
-from rpc_rl.agent import AGENT_NAME, OBSERVER_NAME
-from rpc_rl.play import load_policy, play
-from rpc_rl.record import AgentRun
+from rpc_rl.agent import AGENT_NAME, OBSERVER_NAME, Agent
+from rpc_rl.play import load_policy, play, save_policy
 
 log = logging.getLogger(__name__)
 
@@ -50,30 +49,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    # every rank on the CPU (no --device flag): a 4-input policy fed one state at a time gains nothing
+    # from a GPU, and the observers' environments run on the CPU anyway
     distkit.check_launch_args(parser, args, min_world_size=2)
-    distkit.check_placements(parser, args, placement)
 
 
-def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
-    """Every rank on the CPU (no --device flag): a 4-input policy fed one state at a time gains nothing
-    from a GPU, and the observers' environments run on the CPU anyway."""
-    return distkit.Placement(torch.device("cpu"))
+def build_agent(args: argparse.Namespace, world_size: int) -> Agent:
+    """The tutorial's ``Agent(world_size)``, seeded; with --batch the batched one (loaded only then)."""
+    # its seed (actions, dropout) fixes the run: fully with one observer (several interleave their RPCs)
+    torch.manual_seed(args.seed)
+    if args.batch:
+        from rpc_rl.batched import BatchAgent
+        agent = BatchAgent(world_size, args.gamma, args.seed)
+    else:
+        agent = Agent(world_size, args.gamma, args.seed)
+    if args.reward_threshold is not None:
+        agent.reward_threshold = args.reward_threshold
+    return agent
 
 
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    """Rank 0 trains as the agent (its extras: ``AgentRun``, record.py); other ranks serve as observers."""
+    """Rank 0 trains as the agent; other ranks serve as observers. The agent returns its run."""
     # TCP only (as between machines): TensorPipe's shared-memory transport busy-polls, too costly on a small CPU
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout, _transports=["uv"])
     if worker.rank == 0:
         # rank 0 is the agent
         rpc.init_rpc(AGENT_NAME, rank=0, world_size=worker.world_size, rpc_backend_options=options)
-        run = AgentRun(args)
-        agent = run.build_agent(worker.world_size)
+        agent = build_agent(args, worker.world_size)
+        rewards = []  # each episode's, for the result
         log.info(f"This will run until reward threshold of {agent.reward_threshold} is reached "
                  f"or {args.max_episodes} episodes have run.")
         for i_episode in range(1, args.max_episodes + 1):
             agent.run_episode()
             last_reward = agent.finish_episode()
+            rewards.append(last_reward)
 
             if i_episode % args.log_interval == 0:
                 log.info(f"Episode {i_episode}\tLast reward: {last_reward:.2f}\tAverage reward: "
@@ -81,7 +90,12 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
             if agent.running_reward > agent.reward_threshold:
                 log.info(f"Solved! Running reward is now {agent.running_reward}!")
                 break
-        result = run.finish(agent)
+        if args.save:
+            save_policy(agent.policy, args.save, episodes=len(rewards), running_reward=agent.running_reward)
+            log.info(f"Policy saved to {args.save}")
+        result = {"solved": agent.running_reward > agent.reward_threshold, "episodes": len(rewards),
+                  "rewards": rewards, "running_reward": agent.running_reward,
+                  "threshold": agent.reward_threshold, "policy": agent.policy.state_dict()}
     else:
         # other ranks are the observers
         rpc.init_rpc(OBSERVER_NAME.format(worker.rank), rank=worker.rank,

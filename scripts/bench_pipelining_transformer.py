@@ -3,7 +3,7 @@
 The example's ``run_worker`` unchanged, beside one process with the whole model and as many
 threads. Bubble = 1 - compute (stagetrace.py's spans) / schedule time, beside the ideal
 (pipeline_plan.py). --sweep: over work per micro-batch, against one process and p m / (m + p - 1).
-Usage, every column: docs/pipelining_transformer.md#benchmark.
+Usage, every column: docs/pipelining_transformer_benchmark.md#benchmark.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from benchlib import (bench_parser, check_at_least, describe_machine, example_args, format_table, median, parse,
                       save_plot, wrap_schedule_steps)
 import distkit
-import pipelining_transformer.main as example
+import pipelining_transformer.train as example
 from distkit.schedules import SCHEDULES, num_stages_for, schedule_problem, stage_indices_for
 from pipelining_transformer.cli import layer_count
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
@@ -94,7 +94,7 @@ def local_worker(worker: distkit.Worker, args: argparse.Namespace, m: int = 1) -
 
 
 def limiting_factors(ranks: dict[int, dict], warmup: int, m: int, sequential_s: float) -> dict:
-    """Efficiency = balance x overlap (docs/pipelining_transformer.md); "compute" (sequential seconds / the
+    """Efficiency = balance x overlap (docs/pipelining_transformer_benchmark.md); "compute" (sequential seconds / the
     ranks' compute) stays out of it: that reference varies by several % between runs (it once read 101 %)."""
     p = len(ranks)
     schedule = median([max(steps) for steps in zip(*(r["schedule"][warmup:] for r in ranks.values()))])

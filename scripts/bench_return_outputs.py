@@ -18,7 +18,7 @@ import time
 
 from benchlib import check_at_least, wrap_schedule_steps, describe_machine, example_args, format_table, median
 import distkit
-import pipelining_transformer.main as example
+import pipelining_transformer.train as example
 
 HEADER = ["vocab", "return_outputs", "last stage step ms", "peak MB (last stage)", "runs"]
 

@@ -2,7 +2,7 @@
 
 Engines: ``rpc`` (main.py, 3 processes) and ``pipelining`` (pipelining.py, 2 ranks, per
 schedule). Same seed everywhere, and every process keeps its freed memory (``steady_malloc``),
-so no measurement depends on what ran before it. Usage, columns: docs/rpc_pipeline_resnet.md#benchmark.
+so no measurement depends on what ran before it. Usage, columns: docs/rpc_pipeline_resnet_benchmark.md#benchmark.
 """
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ def bench_worker(engine: str, configs: list[tuple[int, int]], worker: distkit.Wo
     loop = getattr(module, loop_name)
     runs, measured = iter(configs), []
 
-    def run_config(num_split: int, args: argparse.Namespace, *rest, on_batch) -> list[float]:
+    def run_config(num_split: int, args: argparse.Namespace, *rest,
+                   on_batch=lambda model, i: contextlib.nullcontext()) -> list[float]:
         size, m = next(runs)
         assert m == num_split, (m, num_split)
         meter = (Meter if engine == "rpc" else StageMeter)(args.warmup)

@@ -14,13 +14,12 @@ from benchlib import bench_parser, check_at_least, describe_machine, example_arg
 import distkit
 import rpc_rl.main as rl_main
 from rpc_phases import rpc_round_trip
-from rpc_rl.record import AgentRun
 
 
 def timed_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     """``run_worker``; the agent's result gains the environment steps and seconds of its episodes."""
     count = {"env_steps": 0, "seconds": 0.0}
-    build = AgentRun.build_agent
+    build = rl_main.build_agent
 
     def timed(method):
         def wrapper():
@@ -31,12 +30,12 @@ def timed_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | Non
             return result
         return wrapper
 
-    def build_agent(run: AgentRun, world_size: int):  # the agent's run_episode and finish_episode timed
-        agent = build(run, world_size)
+    def build_agent(run_args: argparse.Namespace, world_size: int):  # the agent's episodes timed
+        agent = build(run_args, world_size)
         agent.run_episode, agent.finish_episode = timed(agent.run_episode), timed(agent.finish_episode)
         return agent
 
-    AgentRun.build_agent = build_agent  # in this rank's process only
+    rl_main.build_agent = build_agent  # in this rank's process only
     result = rl_main.run_worker(worker, args)
     return {**result, **count} if result else result
 

@@ -206,7 +206,7 @@ def rpc_pipeline_resnet(quick: bool) -> Curves:
 def _reference_steps(args: argparse.Namespace) -> list[float]:
     """tests/test_pipelining_transformer.py's ``_reference`` (the whole model in one process, the whole
     batch at once, same seed, data and optimizer), for every step of the run rather than the first."""
-    from pipelining_transformer.main import model_args_from
+    from pipelining_transformer.cli import model_args_from
     from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 
     torch.manual_seed(args.seed)
@@ -233,7 +233,7 @@ def pipelining_transformer(quick: bool) -> Curves:
     args = example_args("pipelining_transformer.main", *TINY, "--n_layers", "4", "--world_size", "2",
                         "--steps", str(steps), "--dim", "32", "--lr", "0.05", "--device", "cpu")
     results = distkit.launch(run_worker, args)
-    losses = next(r["losses"] for r in results.values() if r["losses"])  # the rank of the last stage
+    losses = next(r for r in results.values() if r)  # main.py's run_worker: the last stage's losses
     with one_thread():
         reference = _reference_steps(args)
     return Curves(f"pipelining_transformer: GPipe on 2 ranks, {args.n_microbatches} micro-batches", "step",
@@ -299,9 +299,13 @@ def _take_shard_spans() -> list[tuple]:
     return spans
 
 
+def _no_hook(model: Any, i: int) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _marking(on_batch: Callable, marks: list[tuple[float, float]], model: Any, i: int) -> Iterator[None]:
-    """The example's ``on_batch`` (its clock), and this batch's start and end on the shared clock."""
+    """``on_batch`` (the example's), and this batch's start and end on the shared clock."""
     with on_batch(model, i):
         start = stagetrace.clock()
         yield
@@ -318,9 +322,9 @@ def _rpc_resnet_worker(worker: distkit.Worker, args: argparse.Namespace) -> list
     _trace_shards(worker.rank)
     traces, run_master = [], example.run_master
 
-    def traced_run_master(num_split: int, a: argparse.Namespace, on_batch: Callable) -> list[float]:
+    def traced_run_master(num_split: int, a: argparse.Namespace, devices: list) -> list[float]:
         marks: list[tuple[float, float]] = []
-        losses = run_master(num_split, a, on_batch=functools.partial(_marking, on_batch, marks))
+        losses = run_master(num_split, a, devices, on_batch=functools.partial(_marking, _no_hook, marks))
         spans = [s for name in example.WORKERS for s in rpc.rpc_sync(name, _take_shard_spans)]
         traces.append({"marks": marks, "spans": spans})
         return losses
@@ -340,10 +344,10 @@ def _pp_resnet_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[
     stagetrace.record_into(recorder)
     traces, run_pipeline = [], example.run_pipeline
 
-    def traced_run_pipeline(num_split: int, a: argparse.Namespace, rank: int, device: torch.device,
-                            on_batch: Callable) -> list[float]:
+    def traced_run_pipeline(num_split: int, a: argparse.Namespace, rank: int, device: torch.device
+                            ) -> list[float]:
         marks: list[tuple[float, float]] = []
-        losses = run_pipeline(num_split, a, rank, device, on_batch=functools.partial(_marking, on_batch, marks))
+        losses = run_pipeline(num_split, a, rank, device, on_batch=functools.partial(_marking, _no_hook, marks))
         spans, recorder.spans = recorder.spans, []
         traces.append({"marks": marks, "spans": [astuple(s) for s in spans]})
         return losses
@@ -388,7 +392,7 @@ def pipelining_transformer_schedules(quick: bool) -> list[Timeline]:
     dim, layers, heads, vocab = (64, 4, 4, 512) if quick else (256, 8, 8, 2000)
     timelines = []
     for schedule in TRANSFORMER_SCHEDULES:
-        args = example_args("pipelining_transformer.main", "--world_size", "2", "--schedule", schedule,
+        args = example_args("pipelining_transformer.train", "--world_size", "2", "--schedule", schedule,
                             "--n_microbatches", str(MICROBATCHES), "--batch_size", "8", "--seq_len", "32",
                             "--dim", str(dim), "--n_layers", str(layers), "--n_heads", str(heads),
                             "--vocab_size", str(vocab), "--steps", str(TIMED_STEPS[quick] + 1), "--seed", "0",

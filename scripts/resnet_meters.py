@@ -2,7 +2,7 @@
 
 ``Meter`` (main.py) and ``StageMeter`` (pipelining.py) join the examples' ``on_batch``: wall
 and CPU seconds per batch, peak memory. ``steady_malloc``: else glibc returns freed tensors to
-the kernel and the next batch page-faults again (docs/rpc_pipeline_resnet.md, "Why the first run was slow").
+the kernel and the next batch page-faults again (docs/rpc_pipeline_resnet_benchmark.md, "Why the first run was slow").
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""pipelining_transformer/main.py with a crash in the middle of a checkpoint write (for tests).
+"""pipelining_transformer/train.py with a crash in the middle of a checkpoint write (for tests).
 
 Run under torchrun in place of main.py. On torchrun's first attempt, rank $KILL_RANK
 SIGKILLs itself inside ``checkpoint.save`` of step $KILL_STEP, once ``dcp.save`` has returned
@@ -12,7 +12,7 @@ import signal
 import sys
 
 from pipelining_transformer import checkpoint
-from pipelining_transformer.main import main
+from pipelining_transformer.train import main
 
 
 def _install() -> None:

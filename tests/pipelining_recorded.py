@@ -13,11 +13,11 @@ from collections.abc import Callable
 import torch
 
 from pipelining_transformer import extras
-from pipelining_transformer.main import train
+from pipelining_transformer.train import train
 
 
 class Recorder(extras.StepCallback):
-    """What a step of ``main.train`` left on this rank: the micro-batch losses the schedule
+    """What a step of ``train.train`` left on this rank: the micro-batch losses the schedule
     returned, the batch loss computed from them, the loss handed to the callbacks (the one
     the run reports, None elsewhere), and each parameter's gradient and value after the step.
 

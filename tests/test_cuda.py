@@ -26,7 +26,7 @@ import distkit
 from ddp_rpc import main as ddp_rpc
 from ddp_rpc import sharded as ddp_rpc_sharded
 from distkit.schedules import V_SHAPED, is_multi_stage
-from pipelining_transformer import main as pipelining_transformer
+from pipelining_transformer import train as pipelining_transformer
 from rpc_pipeline_resnet import main as rpc_pipeline_resnet
 from rpc_pipeline_resnet import pipelining as rpc_pipeline_resnet_pipelining
 from rpc_rnn import main as rpc_rnn

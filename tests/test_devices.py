@@ -18,12 +18,11 @@ from pipelining_transformer import main as pipelining_transformer
 from pipelining_transformer.main import init_distributed
 from rpc_pipeline_resnet import main as rpc_pipeline_resnet
 from rpc_pipeline_resnet import pipelining as rpc_pipeline_resnet_pipelining
-from rpc_rl import main as rpc_rl
 from rpc_rnn import main as rpc_rnn
 
 EXAMPLES = {"ddp_rpc": ddp_rpc, "rpc_rnn": rpc_rnn, "rpc_pipeline_resnet": rpc_pipeline_resnet,
             "rpc_pipeline_resnet.pipelining": rpc_pipeline_resnet_pipelining,
-            "pipelining_transformer": pipelining_transformer, "rpc_rl": rpc_rl}
+            "pipelining_transformer": pipelining_transformer}
 NO_GPU = "--device cuda was asked for, but no CUDA device is visible on this machine"
 SHARED_GPU = "--device cuda: NCCL needs a GPU per process"
 
@@ -80,10 +79,7 @@ CASES = {
                                                  8: ["cuda:0 nccl", "cuda:1 nccl"]},
     ("rpc_pipeline_resnet.pipelining", "cuda"): {0: NO_GPU, 1: SHARED_GPU,
                                                  2: ["cuda:0 nccl", "cuda:1 nccl"]},
-    # rpc_rl offers no --device (None: the flag is left out): the CPU, whatever is visible
-    ("rpc_rl", None): {n: ["cpu"] * 3 for n in (0, 1, 2, 8)},
 }
-WORLD = {"rpc_rl": ("--world_size", "3")}
 
 
 @pytest.mark.parametrize("example, device, gpus",
@@ -91,7 +87,7 @@ WORLD = {"rpc_rl": ("--world_size", "3")}
 def test_every_rank_of_every_example(example, device, gpus, monkeypatch, capsys):
     fake_gpus(monkeypatch, gpus)
     expected = CASES[(example, device)][gpus]
-    got = decide(example, *WORLD.get(example, ()), *(() if device is None else ("--device", device)))
+    got = decide(example, "--device", device)
     if isinstance(expected, str):  # a refusal: one line, the reason in it
         err = capsys.readouterr().err
         assert got == "refused" and err.count("\n") == 1 and expected in err, (got, err)
@@ -153,7 +149,7 @@ def _stage_seeing_its_own_gpus(worker: distkit.Worker, args: argparse.Namespace)
     """A pipeline rank on a "machine" of its own: rank 0's sees 2 GPUs, rank 1's none."""
     fake_gpus(pytest.MonkeyPatch(), 2 if worker.rank == 0 else 0)
     # the placement every rank computes, as run_worker does: stop before NCCL is tried
-    init_distributed(pipelining_transformer.placement(worker, args))
+    init_distributed(worker, pipelining_transformer.placement(worker, args))
     raise AssertionError("init_distributed went on with different backends")
 
 

@@ -29,7 +29,7 @@ TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "
             "--max-restarts", "1")
 
 
-def torchrun_job(tmp_path: Path, script: str = "pipelining_transformer/main.py",
+def torchrun_job(tmp_path: Path, script: str = "pipelining_transformer/train.py",
                  steps: int = STEPS) -> Job:
     """The README's command: checkpoints every 2 steps, resumes from the newest complete one."""
     return Job((*TORCHRUN, script, *TINY, "--steps", str(steps), "--checkpoint_dir",
@@ -41,7 +41,7 @@ def torchrun_job(tmp_path: Path, script: str = "pipelining_transformer/main.py",
 def uninterrupted(tmp_path_factory) -> dict[int, float]:
     """Step -> loss of one uninterrupted run (spawned, 2 ranks: the layout torchrun's has)."""
     log = tmp_path_factory.mktemp("uninterrupted") / "losses.jsonl"
-    proc = run_cli("pipelining_transformer/main.py", "--world_size", "2", *TINY,
+    proc = run_cli("pipelining_transformer/train.py", "--world_size", "2", *TINY,
                    "--steps", str(STEPS), "--loss_log", str(log), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = dict(logged_losses(log))
@@ -132,7 +132,7 @@ def test_a_kill_after_the_restarts_are_used_up_fails_the_job(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_sigkilled_torchrun_takes_its_workers_along(tmp_path):
-    job = Job((*TORCHRUN, "pipelining_transformer/main.py", *TINY, "--steps", "100000"))
+    job = Job((*TORCHRUN, "pipelining_transformer/train.py", *TINY, "--steps", "100000"))
     workers: list[int] = []
     try:
         job.wait_for(r"step 1/")

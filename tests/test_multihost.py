@@ -248,14 +248,14 @@ def _torchrun_argv(rendezvous: str, node: int, hosts: list[Host], port: int | No
 
 @pytest.mark.parametrize("rendezvous, schedule", [("c10d", "GPipe"), ("static", "1F1B")])
 def test_pipelining_transformer_one_stage_per_host(hosts, tmp_path, rendezvous, schedule):
-    from pipelining_transformer.main import build_parser, check_args, run_worker
+    from pipelining_transformer.train import build_parser, check_args, run_worker
 
     argv = (*PIPELINE, "--schedule", schedule)
     results = distkit.launch(run_worker, _make_args(build_parser, check_args, *argv))
     (expected,) = [r["losses"] for r in results.values() if r["losses"] is not None]
 
     # under torchrun, WORLD_SIZE comes from torchrun; the script is given the same flags
-    jobs = [(host, [*_torchrun_argv(rendezvous, node, hosts), "pipelining_transformer/main.py", *argv],
+    jobs = [(host, [*_torchrun_argv(rendezvous, node, hosts), "pipelining_transformer/train.py", *argv],
              PIPELINE_IFACES) for node, host in enumerate(hosts[:2])]
     runs = run_on_hosts(jobs, tmp_path)
     _assert_all_succeeded(runs)
@@ -286,7 +286,7 @@ DP_PIPELINE = (*PIPELINE, "--world_size", "4", "--dp_size", "2", "--n_microbatch
 
 
 def test_pipelining_transformer_dp2_x_pp2_one_replica_per_host(hosts, tmp_path):
-    from pipelining_transformer.main import build_parser, check_args, run_worker
+    from pipelining_transformer.train import build_parser, check_args, run_worker
 
     results = distkit.launch(run_worker, _make_args(build_parser, check_args, *DP_PIPELINE))
     (expected,) = [r["losses"] for r in results.values() if r["losses"] is not None]
@@ -297,7 +297,7 @@ def test_pipelining_transformer_dp2_x_pp2_one_replica_per_host(hosts, tmp_path):
     argv = (*DP_PIPELINE, "--checkpoint_dir", str(ckpt), "--checkpoint_every", "2",
             "--loss_log", str(log))
     jobs = [(host, [*_torchrun_argv("static", node, hosts, port=DP_PORT, nproc=2),
-                    "pipelining_transformer/main.py", *argv], PIPELINE_IFACES)
+                    "pipelining_transformer/train.py", *argv], PIPELINE_IFACES)
             for node, host in enumerate(hosts[:2])]
     runs = run_on_hosts(jobs, tmp_path)
     _assert_all_succeeded(runs)
@@ -339,7 +339,7 @@ def _elastic_jobs(hosts: list[Host], port: int, max_restarts: int, *flags: str):
     """docs/multi_host.md's restart command on 2 hosts: c10d, a new store per restart."""
     env = {**PIPELINE_IFACES, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return [(host, [*_torchrun_argv("c10d", node, hosts, port=port), "--max-restarts",
-                    str(max_restarts), "pipelining_transformer/main.py", *ELASTIC, *flags], env)
+                    str(max_restarts), "pipelining_transformer/train.py", *ELASTIC, *flags], env)
             for node, host in enumerate(hosts[:2])]
 
 
@@ -363,7 +363,7 @@ def _kill_rank_0_once(marker: Path, killed: dict[str, int]) -> Callable[[list[in
 
 def test_pipelining_transformer_sigkilled_worker_restarts_the_job_on_both_hosts(hosts, tmp_path):
     reference = tmp_path / "uninterrupted.jsonl"
-    proc = run_cli("pipelining_transformer/main.py", *ELASTIC, "--world_size", "2",
+    proc = run_cli("pipelining_transformer/train.py", *ELASTIC, "--world_size", "2",
                    "--loss_log", str(reference), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     uninterrupted = dict(logged_losses(reference))
@@ -421,7 +421,7 @@ def test_pipelining_transformer_kill_with_no_restarts_left_fails_both_hosts(host
 # its look at its ranks in /proc.
 HANG = 5  # --hang_timeout
 HANG_FLAGS = ("--hang_timeout", str(HANG), "--threads", "1")
-PIPELINE_HANG = ("pipelining_transformer/main.py", *TINY_MODEL, "--steps", "100000")
+PIPELINE_HANG = ("pipelining_transformer/train.py", *TINY_MODEL, "--steps", "100000")
 RNN_HANG = ("rpc_rnn/main.py", "--epochs", "100000", "--batches", "2")
 HANG_READY = {"pipelining_transformer": r"step 2/", "rpc_rnn": r"epoch 2\t"}  # rank 1, under way
 HANG_PORTS = {"rank_stopped": 29460, "second_host_lost": 29470, "first_host_lost": 29480}

@@ -24,7 +24,7 @@ from test_tutorial_maps import EXAMPLES, MARKDOWN
 
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 # a command's first word, in a code block or an inline span: at the start, or after && ; | $
-BARE = re.compile(r"(?:^|&&\s*|;\s*|\|\s*|\$\s+|srun\s+(?:-n\s+\S+\s+)?)(python3?|torchrun|pytest|pip)\s")
+BARE = re.compile(r"(?:^|&&\s*|;\s*|\|\s*|\$\s+|srun(?:\s+-\S+(?:\s+\d+)?)*\s+)(python3?|torchrun|pytest|pip)\s")
 
 
 def code_blocks(md: Path) -> list[tuple[str, list[str]]]:
@@ -47,7 +47,9 @@ def bare_commands(md: Path) -> list[str]:
     (``python3 -m venv`` aside: the set-up itself)."""
     found = []
     shell = [l for lang, lines in code_blocks(md) if lang in ("bash", "sh", "console", "") for l in lines]
-    inline = [span for span in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", md.read_text(), flags=re.S))]
+    # an inline span may wrap onto the next line of the paragraph
+    inline = [" ".join(span.split()) for span in
+              re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", md.read_text(), flags=re.S))]
     for text in shell + inline:
         for match in BARE.finditer(text.strip()):
             if not text.strip()[match.start(1):].startswith("python3 -m venv"):
@@ -63,8 +65,11 @@ def test_no_page_shows_a_command_for_the_system_python(md):
 def test_a_bare_python_command_is_found(tmp_path):
     md = tmp_path / "README.md"
     md.write_text("Run `python rpc_rl/main.py`.\n\n```bash\npython3 -m venv .venv && .venv/bin/pip install -e .\n"
-                  ".venv/bin/python x.py\ntorchrun --nproc_per_node 2 x.py   # two\n```\n")
-    assert bare_commands(md) == ["torchrun --nproc_per_node 2 x.py   # two", "python rpc_rl/main.py"]
+                  ".venv/bin/python x.py\ntorchrun --nproc_per_node 2 x.py   # two\n"
+                  "srun -n 2 --kill-on-bad-exit=1 python y.py\n```\nOr `python z.py\n--flag`, wrapped.\n")
+    assert bare_commands(md) == ["torchrun --nproc_per_node 2 x.py   # two",
+                                 "srun -n 2 --kill-on-bad-exit=1 python y.py", "python rpc_rl/main.py",
+                                 "python z.py --flag"]
 
 
 def page_commands() -> list[tuple[str, str]]:

@@ -115,3 +115,51 @@ def test_a_page_that_names_examples_1385_says_what_it_breaks(md):
     for paragraph in paragraphs:
         flat = " ".join(paragraph.split())
         assert re.search(r"changes? nothing|trains nothing|not in `\.grad`", flat), flat
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(md: Path) -> set[str]:
+    found, seen = set(), {}
+    in_code = False
+    for line in md.read_text().splitlines():
+        in_code ^= line.startswith("```")
+        if not in_code and (m := re.match(r"#+ (.*)", line)):
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def broken_links(md: Path) -> list[str]:
+    """The links of ``md`` to a file of this repository that is not there, or to a heading that is not."""
+    broken = []
+    for target in LINK.findall(md.read_text()):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (md.parent / path).resolve() if path else md
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            broken.append(f"{target}: no such heading in {file.name}")
+    return broken
+
+
+@pytest.mark.parametrize("md", MARKDOWN, ids=[str(m.relative_to(REPO)) for m in MARKDOWN])
+def test_every_link_between_pages_lands(md):
+    assert not broken_links(md), "\n".join(broken_links(md))
+
+
+def test_a_link_to_a_missing_heading_is_found(tmp_path):
+    assert slug("Balanced stages (`--stage_layers auto`)") == "balanced-stages---stage_layers-auto"
+    page = tmp_path / "a.md"
+    page.write_text("# A\n\n## Two words\n\n[ok](#two-words) [no](#three) [gone](b.md) [web](https://x.org/#y)\n")
+    assert broken_links(page) == ["#three: no such heading in a.md", "b.md: no such file"]

@@ -28,10 +28,10 @@ PATH_FLAGS = [
     ("rpc_rl.main", [], "--play", "in_file"),
     ("rpc_pipeline_resnet.main", [], "--trace", "out_dir"),
     ("rpc_pipeline_resnet.pipelining", [], "--trace", "out_dir"),
-    ("pipelining_transformer.main", [], "--loss_log", "out_file"),
-    ("pipelining_transformer.main", [], "--trace", "out_dir"),
-    ("pipelining_transformer.main", [], "--checkpoint_dir", "out_dir"),
-    ("pipelining_transformer.main", ["--checkpoint_dir", "{ok_dir}"], "--resume", "in_dir"),
+    ("pipelining_transformer.train", [], "--loss_log", "out_file"),
+    ("pipelining_transformer.train", [], "--trace", "out_dir"),
+    ("pipelining_transformer.train", [], "--checkpoint_dir", "out_dir"),
+    ("pipelining_transformer.train", ["--checkpoint_dir", "{ok_dir}"], "--resume", "in_dir"),
     ("bench_rpc_rl", [], "--plot", "out_file"),
     ("bench_ddp_rpc", [], "--plot", "out_file"),
     ("bench_rpc_rnn", [], "--plot", "out_file"),
@@ -129,7 +129,7 @@ def test_good_paths_are_not_refused_and_nothing_is_made(tmp_path):
 
 # --- a write that fails during the run: one error naming the path and the step -------------
 
-TINY_RUN = ("pipelining_transformer/main.py", "--world_size", "2", "--dim", "32", "--n_layers", "2",
+TINY_RUN = ("pipelining_transformer/train.py", "--world_size", "2", "--dim", "32", "--n_layers", "2",
             "--n_heads", "2", "--vocab_size", "64", "--threads", "1")
 
 

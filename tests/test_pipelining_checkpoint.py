@@ -21,7 +21,8 @@ import distkit
 from conftest import REPO, checked_args, logged_losses, refused_before_launch, run_cli
 from pipelining_transformer import checkpoint
 from pipelining_transformer.cli import data_settings_from
-from pipelining_transformer.main import build_rank, init_distributed, main, model_args_from, placement
+from pipelining_transformer.train import build_rank, init_distributed, main, model_args_from
+from pipelining_transformer.main import placement
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 
 # dropout 0 for the comparisons across splits: another layout draws other dropout masks
@@ -31,14 +32,14 @@ SAVED_AT = 2  # the cross-split test saves after this many steps
 
 
 def make_args(*argv: str) -> argparse.Namespace:
-    return checked_args("pipelining_transformer.main", *argv)
+    return checked_args("pipelining_transformer.train", *argv)
 
 
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     steps, kill_after = 12, 3
     root, resumed_log, whole_log = tmp_path / "ckpt", tmp_path / "resumed.jsonl", tmp_path / "whole.jsonl"
     # the default dropout: only a restored random state gives the same masks after the resume
-    argv = ["pipelining_transformer/main.py", *TINY, "--dropout", "0.1", "--steps", str(steps)]
+    argv = ["pipelining_transformer/train.py", *TINY, "--dropout", "0.1", "--steps", str(steps)]
     ckpt = ["--checkpoint_dir", str(root), "--checkpoint_every", "1", "--loss_log", str(resumed_log)]
     # its own session, so that one killpg takes the launcher and every worker at once
     proc = subprocess.Popen([sys.executable, *argv, *ckpt], cwd=REPO, start_new_session=True,
@@ -99,7 +100,7 @@ def test_random_state_comes_back_only_into_the_layout_that_saved_it(tmp_path):
 
 
 def _forward_backward(pp, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
-    """main.train's step on one of two stages (zero the grads, the schedule by role): its losses, or None."""
+    """train.train's step on one of two stages (zero the grads, the schedule by role): its losses, or None."""
     for opt in pp.optimizers:
         opt.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
@@ -117,7 +118,7 @@ def _train_save_continue(worker: distkit.Worker, args: argparse.Namespace) -> li
 
     With args.load: build the stages from other weights, load the checkpoint instead.
     """
-    env = init_distributed(placement(worker, args))
+    env = init_distributed(worker, placement(worker, args))
     # the loading run starts from different weights: only the checkpoint can make them agree
     pp = build_rank(argparse.Namespace(**{**vars(args), "seed": args.seed + args.load}), env)
     parts = [(s.submod, opt) for s, opt in zip(pp.stages, pp.optimizers)]
@@ -290,7 +291,7 @@ def test_resume_with_other_data_settings_is_refused(saved, refused, tmp_path):
 
 
 def test_bad_checkpoint_from_the_command_line_is_one_line_exit_2(tmp_path):
-    proc = run_cli("pipelining_transformer/main.py", *TINY, "--resume", str(tmp_path / "step_9"),
+    proc = run_cli("pipelining_transformer/train.py", *TINY, "--resume", str(tmp_path / "step_9"),
                    timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr

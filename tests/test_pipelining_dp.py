@@ -22,7 +22,8 @@ from conftest import PRINTED_4, checked_args, on_cuda_optimizer_path, refused_be
 from pipelining_recorded import train_recorded
 from distkit.schedules import SCHEDULES
 from pipelining_transformer import checkpoint
-from pipelining_transformer.main import init_distributed, main, model_args_from, placement
+from pipelining_transformer.train import init_distributed, main, model_args_from
+from pipelining_transformer.main import placement
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 
 # dropout 0 and SGD, as in test_pipelining_transformer.py (same reasons); 16 rows: 2 replicas
@@ -39,7 +40,7 @@ RUNS = {
 
 
 def make_args(*argv: str) -> argparse.Namespace:
-    return checked_args("pipelining_transformer.main", *argv)
+    return checked_args("pipelining_transformer.train", *argv)
 
 
 def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -50,8 +51,8 @@ def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _dp_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """One step of the example's own loop (``main.train``) per (schedule, split) in args.runs."""
-    env = init_distributed(placement(worker, args), args.dp_size)
+    """One step of the example's own loop (``train.train``) per (schedule, split) in args.runs."""
+    env = init_distributed(worker, placement(worker, args), args.dp_size)
     out = {"dp_rank": env.dp_rank, "pp_rank": env.pp_rank}
     for schedule, split in args.runs:
         run_args = argparse.Namespace(**{**vars(args), "schedule": schedule, "split": split})
@@ -162,7 +163,7 @@ def _logged(path) -> dict[int, float]:
 def test_checkpoint_of_dp2_x_pp2_resumes_in_other_layouts_and_loads_into_one_process(tmp_path):
     root, log_a, log_b = tmp_path / "ckpt", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     # AdamW: its sharded moments must be saved and resharded too
-    argv = ["pipelining_transformer/main.py", *TINY, "--steps", "4", "--lr", "3e-3"]
+    argv = ["pipelining_transformer/train.py", *TINY, "--steps", "4", "--lr", "3e-3"]
     a = run_cli(*argv, "--world_size", "4", "--dp_size", "2", "--schedule", "Interleaved1F1B",
                 "--checkpoint_dir", str(root), "--checkpoint_every", "2", "--loss_log", str(log_a),
                 timeout=240)

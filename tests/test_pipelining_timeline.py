@@ -15,7 +15,7 @@ import torch
 import distkit
 from conftest import REPO, checked_args
 from distkit.schedules import SCHEDULES, num_stages_for, stage_indices_for
-from pipelining_transformer import main as example
+from pipelining_transformer import train as example
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_pipelining_transformer as bench  # noqa: E402
@@ -72,7 +72,7 @@ def test_stagetrace_records_every_action_once_in_dependency_order(schedule):
     """The benchmark's compute clock: every forward / backward / weight gradient of every
     stage and micro-batch, once per step, on one clock across the ranks."""
     steps, m = 2, 2
-    args = checked_args("pipelining_transformer.main", *TINY, "--schedule", schedule,
+    args = checked_args("pipelining_transformer.train", *TINY, "--schedule", schedule,
                         "--n_microbatches", str(m), "--steps", str(steps))
     ranks = distkit.launch(bench.pipeline_worker, args)
     spans = [[s for r in ranks.values() for s in r["spans"][step]] for step in range(steps)]

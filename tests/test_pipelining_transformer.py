@@ -1,9 +1,11 @@
-"""pipelining_transformer: every schedule and both splits equal one process; training; launchers.
+"""pipelining_transformer: main.py (the tutorial's program) and train.py (every schedule, any cut)
+equal one process; training; launchers.
 
-The equivalence tests share one launch per world size: its workers run every
-(schedule, split) in turn on a tiny model, one step of the example's own training loop
-(``main.train``, the tutorial-shaped ``schedule.step`` by role that a user's run executes),
-and return what each rank computed, printed and logged.
+main.py's proof is one launch of 3 ranks (a first, a middle and a last stage): its workers run
+main.py's own ``train`` for each schedule and split in turn, and the losses it returns are one
+process's over three steps. train.py's share one launch per world size: its workers run every
+(schedule, split) in turn on a tiny model, one step of train.py's loop (``train.train``, which takes
+main.py's ``train_step``), and return what each rank computed, printed and logged.
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 import distkit
-from conftest import PRINTED_4, checked_args, on_cuda_optimizer_path, refused_before_launch, run_cli, run_torchrun
+from conftest import PRINTED_4, TINY_GPT, checked_args, on_cuda_optimizer_path, refused_before_launch, run_cli, run_torchrun
 from pipelining_recorded import train_recorded
 from distkit.schedules import SCHEDULES, stage_indices_for
-from pipelining_transformer.main import init_distributed, main, model_args_from, placement
+from pipelining_transformer import main as tutorial
+from pipelining_transformer.train import init_distributed, main, model_args_from
+from pipelining_transformer.main import placement
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 from pipelining_transformer.balance import HalfLayer, choose_split
 from pipelining_transformer.layout import StageLayout, stage_bounds, stage_layout
@@ -44,7 +48,7 @@ RUNS = {
 
 
 def make_args(*argv: str) -> argparse.Namespace:
-    return checked_args("pipelining_transformer.main", *argv)
+    return checked_args("pipelining_transformer.train", *argv)
 
 
 def tiny_args(world_size: int, *argv: str) -> argparse.Namespace:
@@ -152,7 +156,7 @@ def test_stage_placement_follows_each_schedule():
 
 def _equivalence_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     """One step of every (schedule, split) in args.runs, from the same initial weights."""
-    env = init_distributed(placement(worker, args))
+    env = init_distributed(worker, placement(worker, args))
     out = {}
     for run in args.runs:  # (schedule, split) or (schedule, split, stage_layers)
         schedule, split, *layers = run
@@ -275,7 +279,7 @@ def _assert_equals_reference(per_rank: list[dict], ref: dict) -> None:
 
 
 def test_cli_training_run_lowers_the_loss():
-    proc = run_cli("pipelining_transformer/main.py", "--world_size", "2", "--split", "tracer",
+    proc = run_cli("pipelining_transformer/train.py", "--world_size", "2", "--split", "tracer",
                    "--schedule", "interleaved1f1b", "--dim", "32", "--n_heads", "2",
                    "--n_layers", "4", "--vocab_size", "64", "--seq_len", "8", "--batch_size", "16",
                    "--steps", "12", "--lr", "3e-3", timeout=180)
@@ -315,7 +319,7 @@ def test_exit_status_judges_the_loss_of_a_run_from_step_0_only(first_step, statu
 
 
 def test_torchrun_launch_with_v_shaped_schedule():
-    proc = run_torchrun(2, "pipelining_transformer/main.py", "--schedule", "ZBVZeroBubble",
+    proc = run_torchrun(2, "pipelining_transformer/train.py", "--schedule", "ZBVZeroBubble",
                         "--dim", "32", "--n_heads", "2", "--n_layers", "4", "--vocab_size", "64",
                         "--seq_len", "8", "--steps", "3", "--lr", "1e-2", timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -355,9 +359,105 @@ def test_bad_input_is_rejected_before_launch(argv, message, capsys, monkeypatch)
 
 
 def test_bad_input_from_the_command_line_is_one_line_exit_2():
-    proc = run_cli("pipelining_transformer/main.py", "--schedule", "1f1b", "--world_size", "4",
+    proc = run_cli("pipelining_transformer/main.py", "--schedule", "1F1B", "--world_size", "4",
                    "--n_microbatches", "2", timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert "1F1B cannot run --n_microbatches 2 on 4 ranks" in proc.stderr
     assert "[rank" not in proc.stdout  # nothing was spawned
+
+
+# ------------------------------------------------------------------ main.py, the tutorial's program
+MAIN_RUNS = [(schedule, split) for schedule in tutorial.SCHEDULES for split in SPLITS]
+
+
+def _main_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+    """main.py's ``run_worker``, with its ``train`` once per (schedule, split): the losses it returns."""
+    pp = tutorial.init_distributed(worker, tutorial.placement(worker, args))
+    out = {}
+    for schedule, split in MAIN_RUNS:
+        out[schedule, split] = tutorial.train(argparse.Namespace(**{**vars(args), "schedule": schedule,
+                                                                    "split": split}), pp)
+        dist.barrier()  # no run's messages can meet the next run's
+    dist.destroy_process_group()
+    return out
+
+
+def _one_process(args: argparse.Namespace) -> list[float]:
+    """The whole model in one process, the whole batch at once: each step's loss."""
+    torch.manual_seed(args.seed)
+    model = Transformer(model_args_from(args))
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    losses = []
+    for step in range(args.steps):
+        x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
+        optimizer.zero_grad()
+        loss = tokenwise_loss_fn(model(x), y)  # equal micro-batches: their mean is the batch's
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.fast  # also on Python 3.10 and 3.13 (.ci/run)
+def test_main_py_trains_as_one_process():
+    # 3 ranks: the first stage, one in between (schedule.step with no input), the last; 4 layers
+    # cut 1 / 1 / 2; three SGD steps, so a wrong gradient anywhere shows in the next losses
+    args = checked_args("pipelining_transformer.main", *TINY, "--n_layers", "4", "--world_size", "3",
+                        "--steps", "3")
+    results = distkit.launch(_main_worker, args)
+    reference = torch.tensor(_one_process(args))
+    for run in MAIN_RUNS:
+        per_rank = [results[rank][run] for rank in range(3)]
+        assert per_rank[0] == per_rank[1] == [], f"{run}: only the last stage has the losses"
+        # float32: what one process computes in one pass, the pipeline in micro-batches on 3 ranks
+        torch.testing.assert_close(torch.tensor(per_rank[2]), reference, msg=lambda m: f"{run}: {m}")
+    assert reference[-1] < reference[0]
+
+
+@pytest.mark.parametrize("losses, status", [([2.2372, 2.2731, 2.2869], 1), ([2.2372, 2.1], 0)])
+def test_main_py_exits_1_if_the_loss_did_not_fall(losses, status, monkeypatch, capsys):
+    class FinishedJob:  # main's launch, as if its ranks had run (the run_worker branch)
+        torchrun = True
+        results = {0: [], 1: losses}
+
+        def __init__(self, args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, fn, args):
+            pass
+
+    monkeypatch.setattr(distkit, "Job", FinishedJob)
+    assert tutorial.main(["--world_size", "2"]) == status
+    assert capsys.readouterr().err == ("The loss did not fall: 2.2372 -> 2.2869\n" if status else "")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch_size", "10", "--n_microbatches", "4"], "not divisible by --n_microbatches 4"),
+    (["--schedule", "1F1B", "--world_size", "4", "--n_microbatches", "2"],
+     "1F1B cannot run --n_microbatches 2 on 4 ranks: Number of microbatches (2) must be"),
+    (["--schedule", "Interleaved1F1B"], "argument --schedule: invalid choice: 'Interleaved1F1B'"),
+    (["--world_size", "3", "--n_layers", "2"], "3 stages need at least one of --n_layers 2 layers each"),
+    (["--dim", "30", "--n_heads", "8"], "--dim 30 is not divisible by --n_heads 8"),
+    (["--world_size", "0"], "--world_size must be at least 1"),
+    (["--lr", "nan"], "argument --lr: must be a positive number, got nan"),
+    (["--dropout", "1"], "argument --dropout: must be in [0, 1), got 1.0"),
+    (["--dp_size", "2"], "unrecognized arguments: --dp_size 2"),  # train.py's
+])
+def test_main_py_refuses_bad_input_before_launch(argv, message, capsys, monkeypatch):
+    err = refused_before_launch(tutorial.main, argv, capsys, monkeypatch)
+    assert message in err, err
+
+
+def test_main_py_under_torchrun():
+    proc = run_torchrun(2, "pipelining_transformer/main.py", *TINY_GPT, "--steps", "3", "--lr", "1e-2",
+                        timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(re.findall(r"\[rank 1\] step \d/3  loss ", proc.stdout)) == 3, proc.stdout
+    assert "[rank 0] step" not in proc.stdout

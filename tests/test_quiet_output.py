@@ -32,7 +32,7 @@ RUNS = {
 }
 DONE = {  # what each run prints once it has done its work
     "rpc_rl": "Episode 2\t", "ddp_rpc": "fc identical on all trainers: True",
-    "rpc_rnn": "in epoch 9", "rpc_pipeline_resnet": "losses with 2 split(s)", "pipelining_transformer": "2 steps in",
+    "rpc_rnn": "in epoch 9", "rpc_pipeline_resnet": "losses with 2 split(s)", "pipelining_transformer": "step 2/2  loss ",
 }
 
 

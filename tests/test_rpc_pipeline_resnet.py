@@ -24,7 +24,7 @@ import distkit
 from conftest import Here, checked_args, keep_weights, refused_before_launch, run_cli, run_torchrun, state_copy
 import rpc_pipeline_resnet.main as example
 from rpc_pipeline_resnet.main import (WORKERS, feature_size,
-                                      main, rpc_backend_options, run_worker)
+                                      main, run_worker)
 from rpc_pipeline_resnet.model import DistResNet50, ResNetShard1, ResNetShard2
 
 NUM_CLASSES, BATCH = 10, 7
@@ -53,7 +53,8 @@ def _pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict |
     if worker.rank != 0:
         return run_worker(worker, args)  # a shard host, exactly as in the example
     rpc.init_rpc("master", rank=0, world_size=worker.world_size,
-                 rpc_backend_options=rpc_backend_options(args))
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout,
+                                                                     _transports=["uv"]))
     model = DistResNet50(TRAIN_SPLIT, WORKERS, ("cpu", "cpu"), num_classes=NUM_CLASSES)
     shards = (model.p1_rref, model.p2_rref)
     fetch = lambda fn, *a: [rpc.rpc_sync(r.owner(), fn, args=(r, *a)) for r in shards]  # noqa: E731

@@ -234,14 +234,14 @@ def test_a_requeued_job_resumes_exactly_where_sigterm_stopped_it(slurm, tmp_path
     it and exits; the requeued job's ``--resume`` goes on from there, and every logged loss is the
     uninterrupted run's."""
     reference = tmp_path / "uninterrupted.jsonl"
-    proc = run_cli("pipelining_transformer/main.py", *PREEMPTED, "--world_size", "2", "--loss_log",
+    proc = run_cli("pipelining_transformer/train.py", *PREEMPTED, "--world_size", "2", "--loss_log",
                    str(reference), timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log, out = tmp_path / "losses.jsonl", tmp_path / "job.out"
     job = slurm.run(
         "sbatch", "--parsable", "--requeue", "--open-mode=append", "-N", "2", "--ntasks-per-node", "1",
         "-o", str(out), "--export", f"ALL,PYTHON={sys.executable},PYTHONUNBUFFERED=1", "scripts/slurm/train.sbatch",
-        "pipelining_transformer/main.py", *PREEMPTED, "--checkpoint_dir", str(tmp_path / "ckpt"), "--resume",
+        "pipelining_transformer/train.py", *PREEMPTED, "--checkpoint_dir", str(tmp_path / "ckpt"), "--resume",
         "--loss_log", str(log), check=True).stdout.strip()
     try:
         deadline = time.monotonic() + 200

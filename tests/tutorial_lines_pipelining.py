@@ -5,7 +5,7 @@ PIPELINING_TUTORIAL: each code line of the tutorial with the text of
 pipelining_transformer/README.md's step map or "What differs" section that accounts for it:
 the step or the code named, or a difference. A tutorial line that no row and no difference
 covers is a step a learner cannot find (tests/test_tutorial_maps.py checks that the text is
-there; tests/test_pipelining_tutorial_path.py reads them too).
+there; ).
 
 PIPELINING_NAMES: what the tutorial defines and calls that a learner looks for, as the
 tutorial wrote it; each must be in the example's code in that shape, or the README's "What
@@ -36,16 +36,16 @@ PIPELINING_TUTORIAL = [
     ("h = self.norm(h) if self.norm else h", "`class Transformer`"),
     ("output = self.output(h).clone() if self.output else h", "`class Transformer`"),
     ("return output", "`class Transformer`"),
-    ("global rank, device, pp_group, stage_index, num_stages", "The tutorial's globals are one `DistEnv` value"),
+    ("global rank, device, pp_group, stage_index, num_stages", "The tutorial's globals are one `Pipeline` value"),
     ("def init_distributed():", "`def init_distributed`"),
     ('rank = int(os.environ["LOCAL_RANK"])', "**`RANK`, not `LOCAL_RANK`**"),
     ('world_size = int(os.environ["WORLD_SIZE"])', "`def init_distributed`"),
     ('device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")',
      "CUDA only where every local process gets"),
     ("dist.init_process_group()", "`dist.init_process_group`"),
-    ("pp_group = dist.new_group()", "`pp.get_group()`"),
-    ("stage_index = rank", "The tutorial's globals are one `DistEnv` value"),
-    ("num_stages = world_size", "The tutorial's globals are one `DistEnv` value"),
+    ("pp_group = dist.new_group()", "`pp_group = dist.new_group()`"),
+    ("stage_index = rank", "`stage_index=rank, num_stages=world_size`"),
+    ("num_stages = world_size", "`stage_index=rank, num_stages=world_size`"),
     ("def manual_model_split(model) -> PipelineStage:", "`def manual_model_split`"),
     ("if stage_index == 0:", "instead of the hard-coded `range(4, 8)`"),
     ("for i in range(4, 8):", "instead of the hard-coded `range(4, 8)`"),
@@ -80,12 +80,12 @@ PIPELINING_TUTORIAL = [
     ("targets = targets.reshape(-1)", "**`tokenwise_loss_fn`** is a module-level function"),
     ("return loss_fn(outputs, targets)", "`def tokenwise_loss_fn`"),
     ("schedule = ScheduleGPipe(stage, n_microbatches=num_microbatches, loss_fn=tokenwise_loss_fn)",
-     "`ScheduleGPipe(stages[0], n_microbatches=n_microbatches, loss_fn=tokenwise_loss_fn)`"),
+     "the schedule, `ScheduleGPipe(stage, n_microbatches=..., loss_fn=tokenwise_loss_fn)`"),
     ("if rank == 0:", "`if rank == 0: schedule.step(x)`"),
-    ("schedule.step(x)", "`pp.schedule.step(x)`"),
+    ("schedule.step(x)", "`schedule.step(x, target=target, losses=kept, return_outputs=False)`"),
     ("elif rank == 1:", "`elif rank == 1: schedule.step(target=y, losses=losses)`"),
     ("losses = []", "`elif rank == 1: schedule.step(target=y, losses=losses)`"),
-    ("output = schedule.step(target=y, losses=losses)", "`pp.schedule.step(target=y, losses=losses, return_outputs=False)`"),
+    ("output = schedule.step(target=y, losses=losses)", "`schedule.step(target=target, losses=kept, return_outputs=False)`"),
     ('print(f"losses: {losses}")', '`print(f"losses: {losses}")`'),
     ("dist.destroy_process_group()", "`dist.destroy_process_group()`"),
     ("torchrun --nnodes 1 --nproc_per_node 2 pipelining_tutorial.py", "launch with torchrun, `--nnodes 1 --nproc_per_node 2`"),

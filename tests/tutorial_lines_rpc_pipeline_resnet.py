@@ -30,7 +30,7 @@ _SPAWN = "Step 4: `mp.spawn(run_worker, ...)`"
 _TIMING = "**Timing measures the pipeline only**"
 _BATCH = "**Batches of 16 images by default** (`--batch_size`), not the tutorial's `batch_size = 120`"
 _CONSTANT = "**`NUM_CLASSES = 1000`** is the tutorial's `num_classes = 1000`"
-_ONCE = "so only a caller who passes `num_classes` too gets a `TypeError`"
+_ONCE = "by `ResNetBase`: the tutorial's shard 2 read the module's `num_classes`"
 _IMAGE_SIZE = "**One `--image_size`** (128) for the tutorial's `image_w` and `image_h`"
 _LOGGED = "**Logged, not printed**: the tutorial's two `print` lines are `log.info` calls"
 
@@ -89,7 +89,7 @@ RPC_PIPELINE_RESNET_TUTORIAL = [
     ("self.seq = nn.Sequential(self._make_layer(256, 6, stride=2), self._make_layer(512, 3, stride=2), "
      "nn.AdaptiveAvgPool2d((1, 1))).to(self.device)", _SHARD2),
     ("self.fc = nn.Linear(512 * self._block.expansion, num_classes).to(self.device)",
-     "shard 2's `fc` read the module's `num_classes` anyway"),
+     _ONCE),
     ("out = self.fc(torch.flatten(self.seq(x), 1))", _FWD2),
     ("class DistResNet50(nn.Module):", _DIST),
     ("def __init__(self, num_split, workers, *args, **kwargs):", _DIST),
