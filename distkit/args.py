@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from .device import DEVICE_CHOICES, DeviceError, Placement
 from .launch import local_workers, parse_ranks
 from .worker import Worker
-from .rendezvous import adopt_srun_task, under_torchrun
+from .rendezvous import srun_problem, under_torchrun
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -70,17 +71,12 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc
 def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                       min_world_size: int = 1, max_world_size: int | None = None) -> None:
     """Reject bad launch flags with a one-line error before any process starts."""
-    try:
-        srun = adopt_srun_task(args.master_addr, args.master_port) is not None
-    except ValueError as e:  # a SLURM variable that makes no sense
-        parser.error(str(e))
-    if srun and args.ranks is not None:
-        parser.error(f"--ranks {args.ranks}: under srun each task is one rank (SLURM_PROCID)")
+    if problem := srun_problem(os.path.relpath(sys.argv[0])):
+        parser.error(problem)
     if under_torchrun():
         env_size = int(os.environ["WORLD_SIZE"])
         if args.world_size not in (None, env_size):
-            by = f"srun's {env_size} tasks" if srun else f"torchrun's WORLD_SIZE={env_size}"
-            parser.error(f"--world_size {args.world_size} disagrees with {by}")
+            parser.error(f"--world_size {args.world_size} disagrees with torchrun's WORLD_SIZE={env_size}")
         args.world_size = env_size
     if args.world_size is None:
         args.world_size = getattr(args, "default_world_size", None)

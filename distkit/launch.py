@@ -10,8 +10,9 @@ Every example's ``main()`` writes the tutorial's launch, and hands the job what 
 ``Job`` adds, each piece for the reason beside it:
 - the store, on 127.0.0.1 and a port the OS picks: c10d's listens on every interface, on a set port;
 - a look at its ranks: one stopped (SIGSTOP) alone, which no peer can see, is killed;
-- a pipe from the ranks: their results (``mp.spawn`` returns nothing) and failure records, for the
-  first failure's report (``mp.spawn`` reports the first exit it sees; a refused device: exit 2);
+- a pipe from the ranks, read by a thread of its own: their results (``mp.spawn`` returns nothing) and
+  failure records, for the first failure's report (``mp.spawn`` reports the first exit it sees; a refused
+  device: exit 2); a rank killed half-way through a record leaves that thread waiting, not the join;
 - Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running;
 - ``GRACE``: ``mp.spawn`` gives a stopped rank 30 s to take a SIGTERM it cannot take.
 """
@@ -26,6 +27,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessContext, ProcessException
+from torch.multiprocessing.spawn import ProcessContext, ProcessException, ProcessRaisedException
 
 from .rendezvous import DONE, STORE_TIMEOUT, agent_hosts_store, connect, host_store, under_torchrun
 from .watchdog import TIMER_MARGIN
@@ -120,13 +122,14 @@ class Job:
         self.timed_out: set[int] = set()  # pids this job killed as frozen (pids get reused)
         self.hang_timeout = getattr(args, "hang_timeout", 0)  # 0: no watchdog
         self.context: ProcessContext | None = None
+        self._reader: threading.Thread | None = None
         self._before: set | None = None  # the launcher's other children, as mp.spawn starts the job's
 
     def __enter__(self) -> Job:
         if self.torchrun:
             die_with_parent()  # torchrun's workers have sessions of their own: a SIGKILLed torchrun leaves them
             if not agent_hosts_store() and os.environ["RANK"] == "0":
-                connect(STORE_TIMEOUT)  # hosted before any rank's env:// rendezvous waits on it (srun)
+                connect(STORE_TIMEOUT)  # hosted before any rank's env:// rendezvous waits on it (no shared store)
             return self
         self.store = None
         if 0 in self.ranks:
@@ -158,9 +161,10 @@ class Job:
         it first (a peer can see it only if it waits on it). A failure raises mp.spawn's exception."""
         self.context = context
         self._outbox.close()  # the ranks hold their own
+        self._reader = threading.Thread(target=self._read, name="distkit-records", daemon=True)
+        self._reader.start()
         stopped: dict[int, int] = {}  # pid -> looks in a row that found it stopped (Ctrl+Z stops us too)
         while not context.join(POLL, grace_period=GRACE):
-            self._read()
             if self.hang_timeout:
                 pids = [p.pid for p in context.processes if p.exitcode is None]  # not reaped: still ours
                 stopped = {pid: stopped.get(pid, 0) + 1 for pid in pids if _stopped(pid)}
@@ -192,8 +196,8 @@ class Job:
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-            if self.context and not isinstance(exc, KeyboardInterrupt):  # not a record cut by one
-                self._read()
+            if self._reader:  # every rank is gone: the pipe reads as ended, the records are in
+                self._reader.join(GRACE)
             if exc is None and self.store is not None and len(self.ranks) < self.world_size:
                 # the store's host stays, as torchrun's agents at their exit barrier, until the ranks on
                 # other machines need it no more (rpc.shutdown reads it): a crashed one costs a wait
@@ -213,10 +217,11 @@ class Job:
         return False
 
     def _read(self) -> None:
+        """The ranks' records as they come, until every rank is gone (one killed may leave half of one)."""
         try:
-            while self._inbox.poll():
+            while True:
                 self.records.append(torch.load(io.BytesIO(self._inbox.recv_bytes()), weights_only=False))
-        except (EOFError, OSError):  # every rank is gone (one killed may have left half a record)
+        except (EOFError, OSError):
             pass
 
     def _first(self, kind: str) -> tuple[str, int, float, Any] | None:
@@ -235,6 +240,8 @@ class Job:
             return f"rank {rank} died (signal {signal.Signals(-code).name}); the job is stopped"
         if failed := self._first("failed"):
             return f"rank {failed[1]} failed:\n{failed[3]}"
+        if isinstance(exc, ProcessRaisedException):  # raised outside run_rank: mp.spawn kept its traceback
+            return f"rank {rank} failed:\n{str(exc).split(' terminated with the following error:', 1)[-1].strip()}"
         return f"rank {rank} died (exit status {code}); the job is stopped"
 
 

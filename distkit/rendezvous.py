@@ -18,54 +18,17 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def adopt_srun_task(master_addr: str | None, master_port: int | None) -> int | None:
-    """Under ``srun -n N python X/main.py`` (N > 1, no torchrun): this task becomes rank SLURM_PROCID of
-    the step's N, in torchrun's variables, rank 0 hosting the store on the step's first host (without
-    this, each task ran a whole job of its own). The port: --master_port, else from the job id's last four
-    digits, as Lightning. Returns N, or None outside such a step (an sbatch script's own shell included)."""
-    env = os.environ
-    # srun's step; not SLURM_NTASKS, which sbatch's shell has
-    tasks = slurm_int("SLURM_STEP_NUM_TASKS", env.get("SLURM_STEP_NUM_TASKS", "1"))
-    if under_torchrun() or tasks < 2:
+def srun_problem(script: str) -> str | None:
+    """Why this process, one of an ``srun`` step's several tasks outside torchrun, cannot run ``script``
+    (each would be a whole job of its own), with the command that works; None elsewhere (``srun -n 1``,
+    an sbatch script's own shell: its SLURM_NTASKS is no step's)."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    if under_torchrun() or tasks == "1":
         return None
-    try:  # "2(x3),1": 2 tasks on each of three nodes, then 1
-        per_node = [int(n) for count in slurm_var("SLURM_STEP_TASKS_PER_NODE").split(",")
-                    for n, _, times in [count.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
-    except ValueError:
-        raise ValueError(f"SLURM_STEP_TASKS_PER_NODE={env['SLURM_STEP_TASKS_PER_NODE']!r} is not a task count "
-                         f"per node (like 2(x3),1)") from None
-    node = slurm_int("SLURM_NODEID", below=len(per_node))
-    # TORCHELASTIC_USE_AGENT_STORE: torch's env:// (RPC's rendezvous) joins the store rank 0 hosts here
-    env.update(RANK=str(slurm_int("SLURM_PROCID", below=tasks)), WORLD_SIZE=str(tasks),
-               LOCAL_RANK=str(slurm_int("SLURM_LOCALID", below=per_node[node])),
-               TORCHELASTIC_USE_AGENT_STORE="True", DISTKIT_SRUN="1", LOCAL_WORLD_SIZE=str(per_node[node]),
-               MASTER_ADDR=master_addr or first_host(slurm_var("SLURM_STEP_NODELIST")),
-               MASTER_PORT=str(master_port or 10000 + slurm_int("SLURM_JOB_ID") % 10000))
-    return tasks
-
-
-def slurm_var(name: str) -> str:
-    """SLURM's variable ``name``, or a ValueError naming it (check_launch_args: one line, exit 2)."""
-    if not os.environ.get(name):
-        raise ValueError(f"{name} is not set, though SLURM_STEP_NUM_TASKS says this is a task of an srun step")
-    return os.environ[name]
-
-
-def slurm_int(name: str, value: str | None = None, below: int | None = None) -> int:
-    """SLURM's variable ``name`` (or ``value``) as a count or index (< ``below``), or a ValueError naming it."""
-    value = slurm_var(name) if value is None else value
-    if not value.isdigit():
-        raise ValueError(f"{name}={value!r} is not a whole number")
-    if below is not None and int(value) >= below:
-        raise ValueError(f"{name}={value} is not within 0..{below - 1}")
-    return int(value)
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of SLURM's compressed list: "gpu[07-09,12],cpu1" -> "gpu07"."""
-    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist.split("]")[0]
-    prefix, _, ranges = head.partition("[")
-    return prefix + ranges.split(",")[0].split("-")[0]
+    return (f"srun started {tasks} tasks of {script} (SLURM_STEP_NUM_TASKS={tasks}), and each would run a job of its "
+            f"own: start one torchrun per node instead, `srun --ntasks-per-node 1 .venv/bin/torchrun --nnodes "
+            f"$SLURM_NNODES --nproc_per_node N --rdzv_backend c10d --rdzv_endpoint FIRST_NODE:PORT {script}`, "
+            f"as scripts/slurm/train.sbatch does (docs/multi_host.md)")
 
 
 def host_store(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
@@ -78,8 +41,7 @@ def host_store(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
 def agent_hosts_store() -> bool:
     """distkit's launcher or torchrun's agent hosts the store; rank 0 does, each round, with torchrun's
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/multi_host.md)."""
-    return not under_torchrun() or (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                                    and "DISTKIT_SRUN" not in os.environ)  # srun: rank 0, as its agent
+    return not under_torchrun() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 _hosted: dist.TCPStore | None = None  # the store this process hosts, if it is that rank 0
@@ -97,7 +59,8 @@ def connect(timeout: timedelta) -> dist.Store:
 
 def release_store(rank: int, world_size: int) -> None:
     """At a rank's end, once it needs the job's store no more: it says so, and the rank 0 that hosts the
-    store (under srun) returns once every rank has, as torchrun's agents wait at their exit barrier. A
+    store (torchrun without a shared store) returns once every rank has, as torchrun's agents wait at
+    their exit barrier. A
     rank elsewhere may still be in ``rpc.shutdown()``, which reads the store (over two nodes rank 0 once
     left first, and a peer's shutdown failed with "Connection reset by peer"). distkit's launcher waits
     the same way when it hosts the store for ranks on other machines (``Job``)."""

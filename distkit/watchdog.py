@@ -1,19 +1,20 @@
 """``--hang_timeout``: a job that stops making progress ends, with every rank's Python stack.
 
 Progress (a module's forward, an optimizer step: PyTorch's global hooks) goes to a counter in the
-job's store; after ``hang_timeout`` s without any, the first rank to notice asks every rank for its
-``faulthandler`` stack. Why our own: PyTorch bounds one call, not a rank stopped between calls, and
-torchrun's file timer bounds what a rank opens itself, with no stack. A guard thread ends the rank
-when the watchdog's store call hangs or it raised, and keeps ``faulthandler``'s timer from ending a
-rank whose interpreter is frozen (the GIL held), and torchrun's file timer, if on, from killing it.
+job's store, and each rank's heartbeat to a key only it writes. After ``hang_timeout`` s without any
+progress, or without a peer's heartbeat, every live rank prints its own ``faulthandler`` stack, names
+the ranks whose heartbeat stopped, and exits; nothing reads a process id from the store or kills one
+(the launcher ends a stopped rank: docs/failures.md). Why our own: PyTorch bounds one call, not a
+rank stopped between calls, and torchrun's file timer bounds what a rank opens itself, with no stack.
+A guard thread ends the rank when the watchdog's store call hangs or it raised, and keeps
+``faulthandler``'s timer from ending a rank whose interpreter is frozen (the GIL held), and
+torchrun's file timer, if on, from killing it.
 """
 from __future__ import annotations
 
 import contextlib
 import faulthandler
 import os
-import signal
-import socket
 import sys
 import threading
 import time
@@ -28,21 +29,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .rendezvous import STORE_TIMEOUT, connect, restart_key
 
-ANSWER_WAIT = 5.0  # seconds the claiming rank waits for the others' stacks
+PEER_WAIT = 5.0  # seconds a rank that saw the hang waits for its live peers' stacks before it exits
 # A rank frozen whole is ended (faulthandler, its launcher, torchrun's file timer) this long after
-# --hang_timeout: time for a peer to claim the hang and report it first (waiting ANSWER_WAIT for it)
-TIMER_MARGIN = ANSWER_WAIT + 10
+# --hang_timeout: time for its peers to name it first (waiting PEER_WAIT for each other's stacks)
+TIMER_MARGIN = PEER_WAIT + 10
 TIMER_SCOPE = "distkit-watchdog"
 STORE_FLOOR = 10.0  # seconds: the least time a store call gets before the store counts as lost
 TIMER_FILE = "TORCHELASTIC_TIMER_FILE"  # set by torchrun's agent with TORCHELASTIC_ENABLE_FILE_TIMER=1
-
-
-def machine() -> str:
-    """This machine as a peer on it would name it: host name and PID namespace (a container's differs)."""
-    try:
-        return f"{socket.gethostname()}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return socket.gethostname()
 
 
 class Watchdog:
@@ -67,7 +60,6 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         self._hooks = [register_module_forward_hook(self.tick), register_optimizer_step_post_hook(self.tick)]
-        self.store.set(f"{self.prefix}pid/{self.rank}", f"{machine()} {os.getpid()}")
         self.store.add(f"{self.prefix}alive/{self.rank}", 1)  # now: a rank frozen at once is no late start
         threading.Thread(target=self._watch, name="distkit-watchdog", daemon=True).start()
         threading.Thread(target=self._guard, name="distkit-watchdog-guard", daemon=True).start()
@@ -113,7 +105,7 @@ class Watchdog:
     def _watch(self) -> None:
         """The watchdog thread: whatever goes wrong in it ends the rank with a report."""
         published, last_total, last_change = 0, -1, time.monotonic()
-        beats: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat count, when it last moved)
+        beats: dict[int, tuple[int, float]] = {}  # peer -> (heartbeat count, when it last moved)
         try:
             while not self._stop.wait(self.interval):
                 self._expect(self.store_bound)
@@ -121,75 +113,53 @@ class Watchdog:
                     published = self.ticks
                     self.store.add(f"{self.prefix}progress", 1)
                 self.store.add(f"{self.prefix}alive/{self.rank}", 1)
-                if self.store.check([f"{self.prefix}hang"]):
-                    return self._answer()
                 now = time.monotonic()
                 total = self.store.add(f"{self.prefix}progress", 0)
                 if total != last_total:
                     last_total, last_change = total, now
+                # a peer whose heartbeat stopped is stopped or frozen, though others progress (ddp_rpc)
+                for rank in self._peers():
+                    beat = self.store.add(f"{self.prefix}alive/{rank}", 0)
+                    if beat and beats.get(rank, (None,))[0] != beat:  # 0: not started (the rendezvous')
+                        beats[rank] = (beat, now)
+                silent = [r for r, (_, moved) in beats.items() if now - moved > self.timeout
+                          and not self.store.check([f"{self.prefix}finished/{r}"])]
                 # until the job's first progress, start-up gets the store's bound
                 bound = self.timeout if total > 0 else max(self.timeout, STORE_TIMEOUT.total_seconds())
-                if now - last_change > bound:
-                    return self._claim(f"no progress in {now - last_change:.0f} s (--hang_timeout "
-                                       f"{self.timeout:g}) on any of the {self.world_size} ranks")
-                # a rank whose heartbeat stopped is frozen, though others progress (ddp_rpc's trainers)
-                for rank in range(self.world_size):
-                    beat = self.store.add(f"{self.prefix}alive/{rank}", 0)
-                    if beat == 0 or self.store.check([f"{self.prefix}finished/{rank}"]):
-                        continue  # not started yet (start-up is the rendezvous' business), or done
-                    if beats.get(rank, (None,))[0] != beat:
-                        beats[rank] = (beat, now)
-                    elif now - beats[rank][1] > self.timeout:
-                        return self._claim(f"rank {rank} stopped answering for {now - beats[rank][1]:.0f} s "
-                                           f"(--hang_timeout {self.timeout:g})")
+                if silent or now - last_change > bound:
+                    return self._report(silent, now - last_change)
         except Exception as e:  # the store is gone, a key missing, a peer's entry unreadable
             if not self._stop.is_set():
                 self._give_up(f"rank {self.rank}: the hang watchdog failed ({type(e).__name__}: {e}), "
                               f"so it cannot watch the job")
 
-    def _claim(self, why: str) -> None:
-        """The first rank here reports the hang and collects everyone's stacks."""
-        self._expect(self.store_bound + ANSWER_WAIT)  # the others' stacks take a while
-        if self.store.compare_set(f"{self.prefix}hang", "", str(self.rank)).decode() != str(self.rank):
-            return self._answer()
-        deadline = time.monotonic() + ANSWER_WAIT
-        others = [r for r in range(self.world_size)
-                  if r != self.rank and not self.store.check([f"{self.prefix}finished/{r}"])]
-        keys = [f"{self.prefix}answered/{r}" for r in others]
-        while time.monotonic() < deadline and not self.store.check(keys):
-            time.sleep(0.1)
-        silent = [r for r, key in zip(others, keys) if not self.store.check([key])]
-        what = (f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} did not answer "
-                f"(stopped or frozen: no stack from {'them' if len(silent) > 1 else 'it'})"
-                if silent else "every rank answered: they wait on each other (a deadlock)")
-        self._ending.acquire()
-        self._dump()
-        self.on_hang(f"the job is stuck: {why}; {what}; the stacks of every rank that answered are printed "
-                     f"above, each under '[rank N] stacks'")
-        self._expect(self.store_bound)
-        try:
-            # a stopped rank on this machine is ended here: torchrun's agent and mp.spawn would give
-            # it 30 s to take a SIGTERM it cannot (the launcher reports the hang, not this kill)
-            for rank in silent:
-                where, pid = self.store.get(f"{self.prefix}pid/{rank}").decode().rsplit(" ", 1)
-                if where == machine():
-                    os.kill(int(pid), signal.SIGKILL)
-            self.store.set(f"{self.prefix}done", "1")
-        except Exception:
-            pass  # the report is out; the store may be what failed: the rank ends regardless
-        finally:
-            _exit(1)
+    def _peers(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
 
-    def _answer(self) -> None:
-        """Another rank claimed the hang: print this rank's stacks, say so, and end."""
-        self._ending.acquire()  # this rank's stack once: the guard stays quiet from here
-        self._expect(self.store_bound + ANSWER_WAIT + 10)  # the wait below has a bound of its own
+    def _report(self, silent: list[int], idle: float) -> None:
+        """This rank saw the job stop: its stack, then a short wait for every live peer's, and the report."""
+        self._ending.acquire()  # one report: the guard stays quiet from here
+        self._expect(self.store_bound + PEER_WAIT)
         self._dump()
-        try:
-            self.store.set(f"{self.prefix}answered/{self.rank}", "1")
-            self.store.wait([f"{self.prefix}done"], timedelta(seconds=ANSWER_WAIT + 10))  # its report
-        finally:  # the wait's own timeout, or the store gone: this rank ends all the same
-            _exit(1)
+        try:  # each rank writes only its own key: "my stack is out"
+            self.store.set(f"{self.prefix}stacked/{self.rank}", "1")
+            live = [f"{self.prefix}stacked/{r}" for r in self._peers() if r not in silent
+                    and not self.store.check([f"{self.prefix}finished/{r}"])]
+            deadline = time.monotonic() + PEER_WAIT
+            while live and not self.store.check(live) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except Exception:
+            pass  # the store may be what failed: the report goes out regardless
+        if silent:
+            them = "them" if len(silent) > 1 else "it"
+            why = (f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} stopped answering (no heartbeat "
+                   f"for over --hang_timeout {self.timeout:g} s: stopped or frozen, no stack from {them})")
+        else:
+            why = (f"no progress in {idle:.0f} s (--hang_timeout {self.timeout:g}) on any of the {self.world_size} "
+                   f"ranks; every rank answered: they wait on each other (a deadlock)")
+        self.on_hang(f"the job is stuck: {why}; the stacks of every rank that answered are printed above, "
+                     f"each under '[rank N] stacks'")
+        _exit(1)
 
     def _give_up(self, message: str) -> None:
         """This rank's stack and ``message``, then exit 1, touching nothing that can block."""

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tier == "cuda" and not args.no_commands:
         rows += command_rows(gpus)
     print(f"\n{machine()}")
-    width = max(len(r.case) for r in rows)
+    width = max((len(r.case) for r in rows), default=len("case"))  # no row: the tier ran nothing
     print(f"{'case':<{width}}  GPUs  {'seconds':>7}  result")
     for r in rows:
         print(f"{r.case:<{width}}  {r.gpus!s:>4}  {r.seconds:7.1f}  {r.result}")

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +68,25 @@ class Curves:
     ylabel: str
     processes: int
     distributed: list[float]
-    one_process: list[float]
+    # the one-process series: ``pick(reference())``, where ``reference`` is a test's own one-process run
+    # (a functools.partial of a function of tests/), on one thread; tests/test_pictures.py runs it again
+    reference: functools.partial
+    pick: Callable[[Any], list[float]]
     note: str = ""  # what the distributed run does beyond the example, for the legend
+    one_process: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        with one_thread():
+            self.one_process = self.pick(self.reference())
 
     @property
     def steps(self) -> list[int]:
         return list(range(1, len(self.distributed) + 1))
+
+
+def _first(run: tuple) -> list[float]:
+    """A reference's series, where it returns (series, what else the tests read)."""
+    return list(run[0])
 
 
 def assert_parity(curves: Curves) -> None:
@@ -116,10 +129,9 @@ def rpc_rl(quick: bool) -> Curves:
     args = example_args("rpc_rl.main", "--world_size", "2", "--max_episodes", str(episodes),
                         "--log_interval", str(episodes), "--seed", str(seed), "--gamma", str(gamma))
     rewards = distkit.launch(run_worker, args)[0]["rewards"]
-    with one_thread():
-        reference, _ = _reinforce_in_one_process(seed=seed, gamma=gamma, episodes=episodes)
     return Curves("rpc_rl: REINFORCE on CartPole-v1, agent and one observer over RPC", "episode",
-                  "reward (steps the pole stayed up)", 2, rewards, reference)
+                  "reward (steps the pole stayed up)", 2, rewards,
+                  functools.partial(_reinforce_in_one_process, seed=seed, gamma=gamma, episodes=episodes), _first)
 
 
 # ---- ddp_rpc: each step's loss (mean over the trainers), against tests/test_ddp_rpc.py's _reference_run ----
@@ -142,6 +154,12 @@ def _lockstep_trainer(worker: distkit.Worker, args: argparse.Namespace) -> dict 
     return example.run_worker(worker, args)
 
 
+def _mean_per_step(per_rank: list[list[list[float]]]) -> list[float]:
+    """Each step's loss, the mean over the trainers (each holding [epoch][batch])."""
+    steps = [[x for epoch in rank for x in epoch] for rank in per_rank]
+    return [sum(step) / len(step) for step in zip(*steps)]
+
+
 def ddp_rpc(quick: bool) -> Curves:
     from test_ddp_rpc import _reference_run
 
@@ -150,16 +168,11 @@ def ddp_rpc(quick: bool) -> Curves:
                         "--batch_size", "16", "--seed", "0", "--lr", "0.05", "--device", "cpu")
     out = distkit.launch(_lockstep_trainer, args)[args.world_size - 2]  # the master's summary
     reports = out["trainers"]
-    with one_thread():
-        losses, _, _ = _reference_run(out["emb_before"], reports[0].fc_before, out["config"], len(reports))
-
-    def mean_per_step(per_rank: list[list[list[float]]]) -> list[float]:
-        steps = [[x for epoch in rank for x in epoch] for rank in per_rank]
-        return [sum(step) / len(step) for step in zip(*steps)]
-
     return Curves(f"ddp_rpc: {len(reports)} DDP trainers, a parameter server and a master "
                   f"({epochs} epochs of {batches} batches)", "step", f"loss (mean of the {len(reports)} trainers)",
-                  args.world_size, mean_per_step([r.losses for r in reports]), mean_per_step(losses),
+                  args.world_size, _mean_per_step([r.losses for r in reports]),
+                  functools.partial(_reference_run, out["emb_before"], reports[0].fc_before, out["config"],
+                                    len(reports)), lambda run: _mean_per_step(run[0]),
                   note=", the trainers stepping in lockstep")
 
 
@@ -172,10 +185,9 @@ def rpc_rnn(quick: bool) -> Curves:
     args = example_args("rpc_rnn.main", "--epochs", str(epochs), "--batches", str(batches), "--dropout", "0",
                         "--device", "cpu")
     out = distkit.launch(keeping_weights, args)[1]  # the trainer's
-    with one_thread():
-        losses, _ = reference_training(args, out["initial"])
     return Curves("rpc_rnn: parameter server (embedding, decoder) and trainer (LSTM)", "epoch",
-                  "loss (mean over the epoch's batches)", 2, out["losses"], losses)
+                  "loss (mean over the epoch's batches)", 2, out["losses"],
+                  functools.partial(reference_training, args, out["initial"]), _first)
 
 
 # ---- rpc_pipeline_resnet: the RPC pipeline's loss per batch, against tests/test_resnet_two_pipelines.py ----
@@ -196,36 +208,16 @@ def rpc_pipeline_resnet(quick: bool) -> Curves:
     args = example_args("rpc_pipeline_resnet.main", *two.COMMON, "--num_batches", str(batches - 1),
                         "--splits", str(RESNET_PARITY_SPLITS), "--device", "cpu")
     run = distkit.launch(run_worker, args)[0][0]  # the master's one run
-    losses, _ = two.one_process(RESNET_PARITY_SPLITS, batches)  # on one thread, as each rank
     return Curves(f"rpc_pipeline_resnet: ResNet50 in two shards over RPC, {RESNET_PARITY_SPLITS} micro-batches "
-                  f"a batch", "batch", "loss (MSE)", 3, run["losses"], losses)
+                  f"a batch", "batch", "loss (MSE)", 3, run["losses"],
+                  functools.partial(two.one_process, RESNET_PARITY_SPLITS, batches), _first)
 
 
-# ---- pipelining_transformer: the loss per step, against tests/test_pipelining_transformer.py's reference ----
-
-def _reference_steps(args: argparse.Namespace) -> list[float]:
-    """tests/test_pipelining_transformer.py's ``_reference`` (the whole model in one process, the whole
-    batch at once, same seed, data and optimizer), for every step of the run rather than the first."""
-    from pipelining_transformer.cli import model_args_from
-    from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
-
-    torch.manual_seed(args.seed)
-    model = Transformer(model_args_from(args))
-    opt = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    losses = []
-    for step in range(args.steps):
-        x, y = synthetic_batch(step, args.batch_size, args.seq_len, args.vocab_size, args.seed)
-        opt.zero_grad()
-        loss = tokenwise_loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
+# ---- pipelining_transformer: the loss per step, against tests/test_pipelining_transformer.py's _one_process ----
 
 def pipelining_transformer(quick: bool) -> Curves:
     from pipelining_transformer.main import run_worker
-    from test_pipelining_transformer import TINY
+    from test_pipelining_transformer import TINY, _one_process
 
     steps = 6 if quick else 25
     # the test's model and SGD (a step linear in the gradient), twice as wide and with a smaller step: the
@@ -234,10 +226,8 @@ def pipelining_transformer(quick: bool) -> Curves:
                         "--steps", str(steps), "--dim", "32", "--lr", "0.05", "--device", "cpu")
     results = distkit.launch(run_worker, args)
     losses = next(r for r in results.values() if r)  # main.py's run_worker: the last stage's losses
-    with one_thread():
-        reference = _reference_steps(args)
     return Curves(f"pipelining_transformer: GPipe on 2 ranks, {args.n_microbatches} micro-batches", "step",
-                  "loss (cross-entropy)", 2, losses, reference)
+                  "loss (cross-entropy)", 2, losses, functools.partial(_one_process, args), list)
 
 
 # ---- the schedules' measured timelines ----

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Run every example once in its quick CPU configuration: about 2 1/4 minutes on 2 idle cores, 3
-# with one of them busy (docs/results.md). Stops at the first example that fails. PYTHON overrides
+# Run every example once in its quick CPU configuration (how long: docs/results.md). Stops at the first example that fails. PYTHON overrides
 # the interpreter. Each example's line says how long the run has taken so far, and a run stopped from
 # outside (timeout, Ctrl+C) says where it was: a limit shorter than the whole run once looked like a
-# stalled example (issue 45, docs/failures.md).
+# stalled example (docs/failures.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -12,7 +11,7 @@ SETUP="python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e ."
 if [[ -z "${PYTHON:-}" ]] && ! { [ -x "$PY" ] && "$PY" -c "import torch, gymnasium" 2>/dev/null; }; then
     echo "run_examples.sh: no usable .venv here; run the README's set-up first: $SETUP" >&2
     exit 2
-elif [[ ! -x "$PY" ]]; then
+elif ! command -v "$PY" >/dev/null; then  # a path, or a command on the PATH (PYTHON=python3)
     echo "run_examples.sh: PYTHON=$PY is not an interpreter that can run; unset it, or run first: $SETUP" >&2
     exit 2
 fi

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distkit
-from conftest import REPO, alive, refused_before_launch, run_cli, run_torchrun
+from conftest import REPO, alive, checked_args, refused_before_launch, run_cli, run_torchrun
 
 MAX_LINES = 300  # distkit is the little every example needs, not a framework (issue 20)
 
@@ -511,25 +511,70 @@ def test_a_stopped_rank_is_ended_with_the_job(tmp_path, capsys):
     assert took < 20, f"the job took {took:.0f} s to end"
 
 
-SRUN_TASK = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_PROCID": "1",
-             "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "node1", "SLURM_JOB_ID": "7"}
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"SLURM_STEP_NUM_TASKS": "abc"}, "SLURM_STEP_NUM_TASKS='abc' is not a whole number"),
-    ({"SLURM_PROCID": "2"}, "SLURM_PROCID=2 is not within 0..1"),
-    ({"SLURM_LOCALID": "-1"}, "SLURM_LOCALID='-1' is not a whole number"),
-    ({"SLURM_NODEID": "1"}, "SLURM_NODEID=1 is not within 0..0"),
-    ({"SLURM_STEP_TASKS_PER_NODE": "2(xa)"}, "SLURM_STEP_TASKS_PER_NODE='2(xa)' is not a task count per node"),
-    ({"SLURM_STEP_NODELIST": ""}, "SLURM_STEP_NODELIST is not set"),
-    ({"SLURM_JOB_ID": "7.1"}, "SLURM_JOB_ID='7.1' is not a whole number"),
-])
-def test_a_slurm_variable_that_makes_no_sense_is_named_in_one_line(change, message, capsys, monkeypatch):
-    """Under srun, each of SLURM's variables that distkit reads, malformed: one line naming it, exit 2."""
+@pytest.mark.parametrize("step_tasks, refused", [("2", True), ("abc", True), ("1", False), (None, False)])
+def test_several_srun_tasks_outside_torchrun_are_refused_with_the_command_that_works(
+        step_tasks, refused, capsys, monkeypatch):
+    """``srun -n 2 python X/main.py``: each task would run a whole job of its own; one line shows the
+    ``srun torchrun`` that works, exit 2. ``srun -n 1`` and an sbatch script's own shell (SLURM_NTASKS, no
+    step) run as anywhere else."""
     from rpc_rnn.main import main
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # not under torchrun
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_NUM_TASKS"):  # not under torchrun
         monkeypatch.delenv(name, raising=False)
-    for name, value in {**SRUN_TASK, **change}.items():
-        monkeypatch.setenv(name, value)
-    assert message in refused_before_launch(main, [], capsys, monkeypatch)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    if step_tasks is not None:
+        monkeypatch.setenv("SLURM_STEP_NUM_TASKS", step_tasks)
+    if refused:
+        message = refused_before_launch(main, [], capsys, monkeypatch)
+        assert f"srun started {step_tasks} tasks of " in message, message
+        assert "srun --ntasks-per-node 1 .venv/bin/torchrun --nnodes $SLURM_NNODES" in message, message
+    else:
+        checked_args("rpc_rnn.main")  # no refusal
+
+
+def _dies_half_way_through_its_result(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+    """Rank 0 is killed after half of its result's record is in the pipe; rank 1 lives on for a minute."""
+    if worker.rank == 1:
+        time.sleep(60)
+        return None
+    import multiprocessing.connection
+    import struct
+
+    def half_then_killed(self, buf, offset=0, size=None) -> None:
+        data = bytes(buf)
+        self._send(struct.pack("!i", len(data)) + data[:len(data) // 2])
+        time.sleep(2)  # the launcher is reading the rest by now (a large record takes time to write)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    multiprocessing.connection.Connection.send_bytes = half_then_killed  # in this rank's process only
+    return {"result": "x" * 1000}
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_killed_half_way_through_a_record_is_reported_at_once(capsys):
+    """The record left half-read must not blind the launcher: its join sees the death (before: only once
+    the peer had exited, a minute later)."""
+    start = time.monotonic()
+    with pytest.raises(SystemExit):
+        distkit.launch(_dies_half_way_through_its_result, launch_args("--threads", "1", "--hang_timeout", "0"))
+    assert "rank 0 died (signal SIGKILL)" in capsys.readouterr().err
+    assert time.monotonic() - start < 30
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("cannot pickle this result")
+
+
+def _returns_what_cannot_be_pickled(worker: distkit.Worker, args: argparse.Namespace) -> object:
+    return _Unpicklable() if worker.rank == 0 else None
+
+
+@pytest.mark.timeout(90)
+def test_a_result_that_cannot_be_pickled_is_reported_with_its_reason(capsys):
+    """Raised outside run_rank (the result's record), the error reaches mp.spawn's own wrapper, whose
+    traceback the report carries (before: "rank 0 died (exit status 1)" and no reason)."""
+    with pytest.raises(SystemExit):
+        distkit.launch(_returns_what_cannot_be_pickled, launch_args("--threads", "1"))
+    err = capsys.readouterr().err
+    assert "rank 0 failed:" in err and "TypeError: cannot pickle this result" in err, err

@@ -35,3 +35,15 @@ def test_each_readme_command_runs_where_the_gpus_allow_it():
     assert "torchrun --nproc_per_node 2 rpc_pipeline_resnet/pipelining.py --device cuda" in two
     assert "python ddp_rpc/main.py --device cuda" in two
     assert one["python rpc_rl/main.py --world_size 3"].startswith("skipped: runs on the CPU")
+
+
+def test_a_failed_case_makes_the_check_exit_1(monkeypatch, capsys):
+    """The GPU owner reads the exit status first: one failed row is exit 1, all passed or skipped 0."""
+    rows = [gpu_check.Row("test_a[cuda]", 1, "passed", 1.0), gpu_check.Row("test_b[cuda]", 2, "skipped: NCCL", 0.0)]
+    monkeypatch.setattr(gpu_check, "tier_rows", lambda *args: list(rows))
+    assert gpu_check.main(["--tier", "cpu"]) == 0
+    rows.append(gpu_check.Row("test_c[cuda]", 1, "failed: loss 0.4 % off", 2.0))
+    assert gpu_check.main(["--tier", "cpu"]) == 1
+    assert "GPU check: 1 passed, 1 skipped, 1 failed" in capsys.readouterr().out
+    monkeypatch.setattr(gpu_check, "tier_rows", lambda *args: [])
+    assert gpu_check.main(["--tier", "cpu"]) == 1  # nothing ran: not a pass

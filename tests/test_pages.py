@@ -163,3 +163,25 @@ def test_a_link_to_a_missing_heading_is_found(tmp_path):
     page = tmp_path / "a.md"
     page.write_text("# A\n\n## Two words\n\n[ok](#two-words) [no](#three) [gone](b.md) [web](https://x.org/#y)\n")
     assert broken_links(page) == ["#three: no such heading in a.md", "b.md: no such file"]
+
+
+TEST_COUNT = re.compile(r"\b\d[\d,]* (?:tests|passed)\b")
+
+
+def test_a_test_count_is_given_on_one_page_at_most():
+    """The suite's size changes with every test: one page (docs/results.md) says it, the others link there."""
+    pages = [str(md.relative_to(REPO)) for md in MARKDOWN if TEST_COUNT.search(md.read_text())]
+    assert pages in ([], ["docs/results.md"]), pages
+    assert TEST_COUNT.search("the whole suite, 568 tests, passed") and not TEST_COUNT.search("test_x passed")
+
+
+DOCS = sorted((REPO / "docs").glob("*.md"))
+MAX_DOC_WORDS = 5000
+
+
+@pytest.mark.parametrize("md", DOCS, ids=[m.name for m in DOCS])
+def test_every_docs_page_says_who_it_is_for_and_stays_short(md):
+    """A docs page opens, under its title, with one sentence on who it is for; at most 5,000 words."""
+    opening = md.read_text().split("\n\n")[1]
+    assert opening.startswith("For "), opening
+    assert len(md.read_text().split()) <= MAX_DOC_WORDS

@@ -52,6 +52,17 @@ def test_each_parity_picture_shows_two_series_that_agree(made, name):
                                torch.tensor(curves.one_process, dtype=torch.float64), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", make_pictures.PARITY)
+def test_each_parity_pictures_one_process_curve_is_the_tests_reference(made, name):
+    """The one-process curve is what a test's own one-process run gives, run again here: not the
+    distributed run's series, nor a reference of the picture's own (which could drift from the tests')."""
+    curves = made[1][name]
+    assert curves.reference.func.__module__.startswith("test_"), curves.reference.func
+    with make_pictures.one_thread():
+        again = curves.pick(curves.reference())
+    assert again == curves.one_process  # the same computation in this process, to the bit
+
+
 @pytest.mark.parametrize("name", make_pictures.SCHEDULES)
 def test_each_timeline_holds_every_stages_work_on_every_micro_batch(made, name):
     """Each panel's rows hold one forward and one backward (and, where the schedule defers them, one

@@ -67,7 +67,16 @@ def test_a_quick_start_stopped_from_outside_says_where_it_was(tmp_path):
                      rf"{re.escape(str(fake))} rpc_rl/main.py", err), err
 
 
-@pytest.mark.parametrize("python", [None, "no/such/python"])
+def test_python_may_name_a_command_on_the_path(tmp_path):
+    """PYTHON=python3, as a user writes it: a command found on the PATH runs the examples."""
+    fake, calls = stand_in(tmp_path)
+    env = {**os.environ, "PYTHON": "python", "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert calls.read_text().splitlines()[0].startswith("rpc_rl/main.py ")
+
+
+@pytest.mark.parametrize("python", [None, "no/such/python", "no-such-command"])
 def test_without_the_venv_the_quick_start_says_what_to_run_first(tmp_path, python):
     """In a copy of the script with no ``.venv`` beside it (a fresh clone before the set-up),
     or with PYTHON naming no interpreter: one line naming the set-up command, exit 2."""

@@ -1,9 +1,9 @@
-"""Under SLURM (issue 34): ``srun -n N python X/main.py`` is one job of N ranks, each task one rank
-(``distkit.rendezvous.adopt_srun_task``), not N whole jobs. On a real SLURM: a two-node cluster
-(munged, slurmctld, a slurmd on each node, each node a network namespace with its own address, host
-name and PID namespace) this module starts in a directory of its own, where SLURM is installed
-(``.ci/run`` installs it as root: ``apt-get install slurm-wlm munge``); elsewhere those tests skip
-with the reason. The environment's reading is also checked in-process, with SLURM's variables.
+"""Under SLURM every example runs as PyTorch launches across nodes: one torchrun per node (``srun
+torchrun``, scripts/slurm/train.sbatch), and ``srun -n N python X/main.py`` (N > 1) is refused with the
+command that works (tests/test_distkit.py, in-process). On a real SLURM: a two-node cluster (munged,
+slurmctld, a slurmd on each node, each node a network namespace with its own address, host name and PID
+namespace) this module starts in a directory of its own, where SLURM is installed (``.ci/run`` installs it
+as root: ``apt-get install slurm-wlm munge``); elsewhere those tests skip with the reason.
 """
 from __future__ import annotations
 
@@ -21,58 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (IFNAME, PRINTED_4, REPO, alive, assert_all_gone, assert_equals_uninterrupted, checked_args,
-                      logged_losses, network_hosts, refused_before_launch, resumed_steps, run_cli)
-
-# what srun gives task 2 of 3, the only task on the second of two nodes
-SRUN_TASK_2 = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
-               "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "gpu[07-08]",
-               "SLURM_JOB_ID": "123456", "SLURM_NTASKS": "3"}
-
-
-@pytest.fixture
-def srun_env(monkeypatch):
-    """``os.environ`` as a copy without torchrun's variables (restored after the test), SLURM's set."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    monkeypatch.setattr(os, "environ", env)
-    return env
-
-
-def test_an_srun_task_is_one_rank_of_the_step(srun_env):
-    srun_env.update(SRUN_TASK_2)
-    args = checked_args("rpc_rl.main")
-    assert args.world_size == 3
-    assert {k: srun_env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                     "MASTER_PORT")} == {
-        "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "gpu07",
-        "MASTER_PORT": str(10000 + 123456 % 10000)}
-
-
-def test_the_rendezvous_flags_win_over_slurms_environment(srun_env):
-    srun_env.update(SRUN_TASK_2, SLURM_PROCID="0", SLURM_NODEID="0")
-    checked_args("rpc_rl.main", "--master_addr", "10.0.0.7", "--master_port", "29999")
-    assert (srun_env["RANK"], srun_env["LOCAL_WORLD_SIZE"], srun_env["MASTER_ADDR"], srun_env["MASTER_PORT"]) == (
-        "0", "2", "10.0.0.7", "29999")
-
-
-def test_an_sbatch_scripts_own_shell_is_not_a_rank(srun_env):
-    """The batch script's shell has SLURM_NTASKS and SLURM_PROCID too, but no step: a plain
-    ``python X/main.py`` there spawns its ranks itself."""
-    srun_env.update({k: v for k, v in SRUN_TASK_2.items() if not k.startswith("SLURM_STEP")})
-    args = checked_args("rpc_rl.main", "--world_size", "3")
-    assert args.world_size == 3 and "RANK" not in srun_env
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--world_size", "4"], "--world_size 4 disagrees with srun's 3 tasks"),
-    (["--ranks", "1"], "--ranks 1: under srun each task is one rank (SLURM_PROCID)"),
-])
-def test_flags_that_disagree_with_srun_are_refused(argv, message, srun_env, capsys, monkeypatch):
-    from rpc_rl.main import main
-
-    srun_env.update(SRUN_TASK_2)
-    assert message in refused_before_launch(main, argv, capsys, monkeypatch)
+from conftest import (IFNAME, PRINTED_4, REPO, alive, assert_all_gone, assert_equals_uninterrupted, logged_losses,
+                      network_hosts, resumed_steps, run_cli)
 
 
 # ----------------------------------------------------------- a real SLURM, two nodes
@@ -169,28 +119,42 @@ SlurmdParameters=config_overrides
                     p.kill()
 
 
-def _srun(slurm: Cluster, ntasks: int, *argv: str) -> subprocess.CompletedProcess:
-    """``srun -N 2 -n ntasks python argv`` from node1: the tasks spread over both nodes."""
-    return slurm.run("srun", "-N", "2", "-n", str(ntasks), "--kill-on-bad-exit=1", sys.executable, *argv,
-                     timeout=240)
+def _sbatch(slurm: Cluster, log: Path, *argv: str, how: tuple[str, ...] = ("--ntasks-per-node", "1"),
+            timeout: float = 240) -> subprocess.CompletedProcess:
+    """``sbatch --wait -N 2 HOW scripts/slurm/train.sbatch argv``, its output in ``log``."""
+    return slurm.run("sbatch", "--wait", "-N", "2", *how, "-o", str(log), "--export",
+                     f"ALL,PYTHON={sys.executable},PYTHONUNBUFFERED=1", "scripts/slurm/train.sbatch", *argv,
+                     timeout=timeout)
 
 
-def test_srun_runs_one_job_of_its_tasks(slurm):
-    """The issue's case: three tasks of rpc_rl over two nodes, one job (one agent, one "Solved!"), not three."""
-    proc = _srun(slurm, 3, "rpc_rl/main.py", "--reward_threshold", "0.5", "--max_episodes", "5")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("Solved!") == 1, proc.stdout
+def test_srun_of_several_plain_tasks_is_refused_with_the_command_that_works(slurm):
+    """``srun -N 2 -n 2 python rpc_rl/main.py``: before, each task ran a job of its own; now each says,
+    in one line, to start one torchrun per node."""
+    proc = slurm.run("srun", "-N", "2", "-n", "2", sys.executable, "rpc_rl/main.py", timeout=120)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "srun --ntasks-per-node 1 .venv/bin/torchrun" in proc.stderr, proc.stderr
+    assert "[rank" not in proc.stdout, proc.stdout  # nothing was spawned
+
+
+def test_srun_torchrun_runs_one_job_over_the_nodes(slurm, tmp_path):
+    """Three ranks of rpc_rl would not spread evenly over two nodes: refused by the sbatch script; four do,
+    two a node: one job (one agent, one "Solved!")."""
+    log = tmp_path / "uneven.out"
+    proc = _sbatch(slurm, log, "rpc_rl/main.py", how=("-n", "3"))
+    assert proc.returncode != 0 and "do not spread evenly over 2 nodes" in log.read_text(), log.read_text()
+    log = tmp_path / "job.out"
+    proc = _sbatch(slurm, log, "rpc_rl/main.py", "--reward_threshold", "0.5", "--max_episodes", "5",
+                   how=("--ntasks-per-node", "2"))
+    out = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, proc.stdout + proc.stderr + out
+    assert out.count("Solved!") == 1, out
 
 
 RNN_LOSS, PIPELINE_LOSS = r"Training epoch \d+\tloss ([0-9.]+)", r"step \d+/\d+  loss ([0-9.]+)"
 RNN, PIPELINE = ("rpc_rnn/main.py", "--epochs", "3"), ("pipelining_transformer/main.py", "--steps", "3")
-# how SLURM starts it over the two nodes, the example's command line, the one-machine run's flags beside
-# it, its losses
-AS_ON_ONE_MACHINE = [
-    (["srun", "-n", "2"], RNN, (), RNN_LOSS),  # a rank a node
-    (["sbatch", "-n", "2"], RNN, (), RNN_LOSS),  # scripts/slurm/train.sbatch: srun, a task per rank
-    (["sbatch", "--ntasks-per-node", "1"], PIPELINE, ("--world_size", "2"), PIPELINE_LOSS),  # torchrun a node
-]
+# scripts/slurm/train.sbatch over the two nodes (a torchrun a node), the example's command line, the
+# one-machine run's flags beside it, its losses
+AS_ON_ONE_MACHINE = [(RNN, (), RNN_LOSS), (PIPELINE, ("--world_size", "2"), PIPELINE_LOSS)]
 
 
 @functools.cache
@@ -200,19 +164,12 @@ def _one_machine(argv: tuple[str, ...]) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("how, argv, here, pattern", AS_ON_ONE_MACHINE,
-                         ids=[f"{how[0]} {argv[0].split('/')[0]}" for how, argv, _, _ in AS_ON_ONE_MACHINE])
-def test_slurm_trains_what_one_machine_trains(how, argv, here, pattern, slurm, tmp_path):
-    """Under srun, and through scripts/slurm/train.sbatch, the losses the one-machine run prints."""
-    if how[0] == "srun":
-        proc = _srun(slurm, int(how[2]), *argv)
-        out = proc.stdout
-    else:
-        log = tmp_path / "job.out"
-        proc = slurm.run("sbatch", "--wait", "-N", "2", *how[1:], "-o", str(log), "--export",
-                         f"ALL,PYTHON={sys.executable},PYTHONUNBUFFERED=1", "scripts/slurm/train.sbatch", *argv,
-                         timeout=240)
-        out = log.read_text() if log.exists() else ""
+@pytest.mark.parametrize("argv, here, pattern", AS_ON_ONE_MACHINE, ids=[a[0].split("/")[0] for a, _, _ in AS_ON_ONE_MACHINE])
+def test_slurm_trains_what_one_machine_trains(argv, here, pattern, slurm, tmp_path):
+    """Through scripts/slurm/train.sbatch (srun torchrun), the losses the one-machine run prints."""
+    log = tmp_path / "job.out"
+    proc = _sbatch(slurm, log, *argv)
+    out = log.read_text() if log.exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + out
     losses = [[float(x) for x in re.findall(pattern, text)] for text in (out, _one_machine((*argv, *here)))]
     assert len(losses[0]) == len(losses[1]) == 3, (losses, out)
@@ -266,51 +223,54 @@ def test_a_requeued_job_resumes_exactly_where_sigterm_stopped_it(slurm, tmp_path
 
 # ------------------------------------------------------------- a task lost, a job cancelled, a hang
 
-def _tasks(mark: str) -> dict[int, int]:
-    """{rank: pid} of the running processes whose environment holds ``mark`` (the test's own)."""
+def _ranks(mark: str) -> dict[int, int]:
+    """{rank: pid} of the running workers whose environment holds ``mark`` (the test's own): the
+    processes torchrun started, with RANK in their environment (its agents have none)."""
     found = {}
     for proc in Path("/proc").iterdir():
         try:
             env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
         except (OSError, ValueError):
             continue
-        if env.get(b"DISTKIT_TEST_MARK") == mark.encode() and b"SLURM_PROCID" in env and alive(int(proc.name)):
-            found[int(env[b"SLURM_PROCID"])] = int(proc.name)  # /proc shows the environment at exec
+        if env.get(b"DISTKIT_TEST_MARK") == mark.encode() and b"RANK" in env and alive(int(proc.name)):
+            found[int(env[b"RANK"])] = int(proc.name)  # /proc shows the environment at exec
     return found
 
 
+TORCHRUN_GRACE = 30  # torchrun's agent gives its other workers 30 s to take SIGTERM
+
+
 @pytest.mark.parametrize("event", ["rank 1 killed", "rank 1 stopped", "scancel"])
-def test_a_lost_or_frozen_task_or_scancel_ends_the_whole_step(event, slurm, tmp_path):
-    """rpc_rnn under ``srun -N 2 -n 2 --kill-on-bad-exit=1`` (as scripts/slurm/train.sbatch starts it):
-    rank 1, on the second node, SIGKILLed (srun reports it and ends rank 0 on the first), or SIGSTOPped
-    (rank 0's watchdog names it within --hang_timeout, and srun ends the frozen task), or the job
-    cancelled. Then nothing of the job is left running on either node."""
+def test_a_lost_or_frozen_rank_or_scancel_ends_the_whole_job(event, slurm, tmp_path):
+    """rpc_rnn through scripts/slurm/train.sbatch (a torchrun a node, srun --kill-on-bad-exit=1): rank 1
+    SIGKILLed (its torchrun fails, srun ends the other node's), or SIGSTOPped (rank 0's watchdog names it
+    within --hang_timeout; rank 0's node fails, srun ends the other node's torchrun, and with it the
+    stopped rank), or the job cancelled. Then nothing of the job is left running on either node."""
     mark, out = tmp_path.name, tmp_path / "out.txt"
-    with out.open("w") as f:
-        srun = subprocess.Popen(
-            [*slurm.login, "srun", "-N", "2", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "rpc_rnn/main.py",
-             "--epochs", "100000", "--hang_timeout", "5", "--threads", "1"], cwd=REPO,
-            env={**slurm.env, "PYTHONUNBUFFERED": "1", "DISTKIT_TEST_MARK": mark}, stdout=f, stderr=subprocess.STDOUT)
+    sbatch = subprocess.Popen(
+        [*slurm.login, "sbatch", "--wait", "-N", "2", "--ntasks-per-node", "1", "-o", str(out), "--export",
+         f"ALL,PYTHON={sys.executable},PYTHONUNBUFFERED=1,DISTKIT_TEST_MARK={mark}", "scripts/slurm/train.sbatch",
+         "rpc_rnn/main.py", "--epochs", "100000", "--hang_timeout", "5", "--threads", "1"], cwd=REPO,
+        env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
-        while "Training epoch 2\t" not in out.read_text() or len(tasks := _tasks(mark)) < 2:
-            assert time.monotonic() < deadline and srun.poll() is None, out.read_text()
+        while (not out.exists() or "Training epoch 2\t" not in out.read_text()) or len(ranks := _ranks(mark)) < 2:
+            assert time.monotonic() < deadline and sbatch.poll() is None, out.read_text() if out.exists() else ""
             time.sleep(0.2)
         if event == "scancel":
-            job = Path(f"/proc/{tasks[0]}/environ").read_bytes().split(b"SLURM_JOB_ID=")[1].split(b"\0")[0]
+            job = Path(f"/proc/{ranks[0]}/environ").read_bytes().split(b"SLURM_JOB_ID=")[1].split(b"\0")[0]
             slurm.run("scancel", job.decode(), check=True)
         else:
-            os.kill(tasks[1], signal.SIGKILL if event == "rank 1 killed" else signal.SIGSTOP)
+            os.kill(ranks[1], signal.SIGKILL if event == "rank 1 killed" else signal.SIGSTOP)
         start = time.monotonic()
-        srun.wait(timeout=60)
+        sbatch.wait(timeout=120)
         took = time.monotonic() - start
     finally:
-        srun.kill()
+        sbatch.kill()
     text = out.read_text()
-    assert srun.returncode != 0, text
-    assert took < 5 + 20, text  # --hang_timeout, and then some on a loaded machine
-    if event == "rank 1 killed":  # srun names the task and ends the others at once
-        assert "task 1: Killed" in text, text
-    elif event == "rank 1 stopped":  # only rank 0's watchdog can see it; srun then ends rank 1
+    assert sbatch.returncode != 0, text
+    # --hang_timeout, torchrun's grace for its other workers, and then some on a loaded machine
+    assert took < 5 + TORCHRUN_GRACE + 20, text
+    if event == "rank 1 stopped":  # only rank 0's watchdog can see it
         assert re.search(r"rank 1 (did not answer|stopped answering)", text), text
-    assert_all_gone(list(tasks.values()), within=10)
+    assert_all_gone(list(ranks.values()), within=10)
