@@ -93,6 +93,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     rpc_backend_options = TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
     # each process its own seed: DDP must (and does) make all trainers start from rank 0's fc
     torch.manual_seed(args.seed * 1000 + worker.rank)
+    distkit.quiet_distributed_optimizer()  # its advice to use a functional optimizer: that is the racy one
     result = None
     # Ranks 0..N-3 are trainers, N-2 is the master and N-1 the parameter server (the tutorial's 0 and 1, 2, 3)
     if worker.rank == master_rank:

@@ -73,9 +73,6 @@ class SerializedSGD(optim.SGD):
     whose steps are serialised on each worker, as documented. Same maths (tests/test_ddp_rpc.py)."""
 
 
-# hide DistributedOptimizer's advice to use a functional optimizer: that is the racy one
-logging.getLogger("torch.distributed.optim.optimizer").addFilter(
-    lambda record: "without a functional optimizer" not in record.getMessage())
 
 
 def _run_trainer(remote_emb_module: RemoteModule, rank: int, config: TrainConfig) -> TrainerReport:

@@ -11,11 +11,11 @@ from .device import (Placement, backend_for, gpu_count, group_placement, pick_de
 from .launch import Job, launch, local_workers, parse_ranks
 from .profiling import profiled
 from .rendezvous import job_store, process_group_store
-from .worker import Worker, exit_now, exit_process, silence_torchscript_optimizer_warning
+from .worker import Worker, exit_now, exit_process, quiet_distributed_optimizer
 
 __all__ = [
     "ArgumentParser", "Job", "Placement", "Worker", "add_launch_args", "backend_for", "check_finite",
     "check_launch_args", "check_placements", "exit_now", "exit_process", "gpu_count", "group_placement",
     "job_store", "launch", "local_workers", "parse_ranks", "pick_device", "process_group_args",
-    "process_group_store", "profiled", "silence_torchscript_optimizer_warning", "threads_per_process",
+    "process_group_store", "profiled", "quiet_distributed_optimizer", "threads_per_process",
 ]

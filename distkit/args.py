@@ -13,7 +13,7 @@ from typing import Any
 from .device import DEVICE_CHOICES, DeviceError, Placement
 from .launch import local_workers, parse_ranks
 from .worker import Worker
-from .rendezvous import srun_problem, under_torchrun
+from .rendezvous import is_loopback, srun_problem, under_torchrun
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -90,8 +90,13 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         ranks = parse_ranks(args.ranks, args.world_size)
     except ValueError as e:
         parser.error(str(e))
-    if 0 not in ranks and (args.master_addr is None or args.master_port is None):
-        parser.error("a machine that does not run rank 0 needs --master_addr and --master_port")
+    if len(ranks) < args.world_size:  # ranks on other machines
+        if args.master_addr is None or (0 not in ranks and args.master_port is None):
+            parser.error("a job over several machines (--ranks) needs --master_addr, the address of the "
+                         "machine that runs rank 0, and on the other machines --master_port")
+        if is_loopback(args.master_addr):  # Debian names its own host 127.0.1.1 in /etc/hosts
+            parser.error(f"--master_addr {args.master_addr} resolves to a loopback address, which the other "
+                         f"machines cannot reach: give rank 0's machine's address on the network")
 
 
 def _checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
@@ -149,28 +154,26 @@ def check_placements(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def path_problem(path: str, kind: str) -> str | None:
-    """Why ``path`` cannot serve as ``kind``, or None: read (``in_file``, ``in_dir``), made or written
-    (``out_dir``, ``out_file``). Writing is tried: root passes ``os.access``; a read-only mount shows only then."""
-    want_dir, given = kind.endswith("dir"), os.path.abspath(path)
+    """Why ``path`` cannot serve as ``kind``, or None: read (``in_file``, ``in_dir``), or made and written
+    (``out_dir``, ``out_file``), which the nearest directory that exists must allow: a file is made and
+    removed there (root passes ``os.access``; a read-only mount shows only then)."""
+    want_dir = kind.endswith("dir")
     if os.path.exists(path) and os.path.isdir(path) != want_dir:
         return "is a file, not a directory" if want_dir else "is a directory, not a file"
     if kind.startswith("in"):
         if not os.path.exists(path):
             return "no such " + ("directory" if want_dir else "file")
         return None if os.access(path, os.R_OK) else "cannot be read"
-    if not want_dir and os.path.exists(path):
-        try:
-            open(path, "a").close()  # append mode: opening changes nothing in the file
-        except OSError as e:
-            return f"cannot be written ({e.strerror})"
-        return None
-    nearest = given if want_dir else os.path.dirname(given)  # a new file's directory is made if missing
-    while not os.path.exists(nearest):  # every existing part must be a directory, the nearest writable
+    nearest = os.path.abspath(path if want_dir else os.path.dirname(os.path.abspath(path)))
+    while not os.path.exists(nearest):
         nearest = os.path.dirname(nearest)
     if not os.path.isdir(nearest):
-        return "is a file, not a directory" if nearest == given else f"{nearest} is a file, not a directory"
-    try:
-        with tempfile.NamedTemporaryFile(dir=nearest, prefix=".write-check-"):
-            return None
+        return f"{nearest} is a file, not a directory"
+    try:  # an existing file is opened to append (a device too: /dev/full), a new one made in its directory
+        if not want_dir and os.path.exists(path):
+            open(path, "a").close()
+        else:
+            tempfile.NamedTemporaryFile(dir=nearest, prefix=".write-check-").close()
     except OSError as e:
         return f"cannot write in {nearest} ({e.strerror})"
+    return None

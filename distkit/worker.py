@@ -94,20 +94,23 @@ def run_rank(fn: Callable, worker: Worker, args: argparse.Namespace,
     return result
 
 
-def silence_torchscript_optimizer_warning() -> None:
-    """Hide the TorchScript functional optimizers' DeprecationWarning, which ``DistributedOptimizer``
-    raises on every rank that owns parameters, whatever the user does: call it on every rank."""
-    if getattr(warnings.showwarning, "quiet_torchscript_optimizer", False):
+def quiet_distributed_optimizer() -> None:
+    """What ``DistributedOptimizer`` prints on every rank whatever the user does, hidden: the TorchScript
+    functional optimizers' DeprecationWarning (optim.SGD), raised under ``simplefilter("always")``, which
+    beats any filter, and its advice to use a functional optimizer (any other class). Call it on every rank."""
+    if getattr(warnings.showwarning, "quiet", False):
         return
-    show = warnings.showwarning  # it is raised under simplefilter("always"), which beats any filter
+    show = warnings.showwarning
 
     def showwarning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
         if not (issubclass(category, DeprecationWarning) and str(message).startswith(
                 "`TorchScript` support for functional optimizers is deprecated")):
             show(message, category, *args, **kwargs)
 
-    showwarning.quiet_torchscript_optimizer = True  # type: ignore[attr-defined]
+    showwarning.quiet = True  # type: ignore[attr-defined]
     warnings.showwarning = showwarning
+    logging.getLogger("torch.distributed.optim.optimizer").addFilter(
+        lambda record: "without a functional optimizer" not in record.getMessage())
 
 
 def cleanup(graceful: bool = True) -> None:

@@ -129,7 +129,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] |
     """Rank 0, the master, returns one run per --splits value (its seconds and losses); ranks 1 and 2 host
     the shards."""
     torch.manual_seed(args.seed + worker.rank)
-    distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
+    distkit.quiet_distributed_optimizer()  # what DistributedOptimizer prints on every rank, see the README
     # TCP ("uv") only, as between machines: the shared-memory transport busy-polls (15 % of a core idle)
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=128, rpc_timeout=args.rpc_timeout,
                                               _transports=["uv"])

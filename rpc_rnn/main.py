@@ -127,7 +127,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     # the ps draws the dropout masks of the embedding and the decoder (their weights come from
     # their own seeds, see rnn._uniform_), the trainer the LSTM's weights and dropout
     torch.manual_seed(args.seed)
-    distkit.silence_torchscript_optimizer_warning()  # DistributedOptimizer's, see the README
+    distkit.quiet_distributed_optimizer()  # what DistributedOptimizer prints on every rank, see the README
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
     if worker.rank == 0:
         rpc.init_rpc(PS_NAME, rank=0, world_size=worker.world_size, rpc_backend_options=options)

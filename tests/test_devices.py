@@ -109,19 +109,19 @@ def test_pipeline_falls_back_or_refuses_rather_than_share_a_gpu(monkeypatch, cap
 
 
 def test_machines_of_one_job_decide_for_their_own_ranks(monkeypatch):
-    far = ("--master_addr", "127.0.0.1", "--master_port", "29400")
+    far = ("--master_addr", "192.0.2.1", "--master_port", "29400")  # rank 0's machine (TEST-NET-1)
     fake_gpus(monkeypatch, 1)
     # ddp_rpc, trainer 1 with the master and the ps on a 1-GPU machine: one trainer here,
     # so it gets the GPU (trainer 0, elsewhere, decides on its own machine)
     assert decide("ddp_rpc", "--ranks", "1-3", *far) == ["cuda:0 nccl", "cpu", "cpu"]
-    assert decide("ddp_rpc", "--ranks", "0-1") == ["cpu gloo", "cpu gloo"]
+    assert decide("ddp_rpc", "--ranks", "0-1", *far) == ["cpu gloo", "cpu gloo"]
     # a shard alone on its machine uses that machine's GPU
     assert decide("rpc_pipeline_resnet", "--ranks", "2", *far) == ["cuda:0"]
     fake_gpus(monkeypatch, 0)
-    assert decide("rpc_pipeline_resnet", "--ranks", "0") == ["cpu"]
+    assert decide("rpc_pipeline_resnet", "--ranks", "0", *far) == ["cpu"]
     # no GPU for the parameter server: refused where the ps runs, fine elsewhere
     assert decide("rpc_rnn", "--ranks", "1", "--device", "cuda", *far) == ["cpu"]
-    assert decide("rpc_rnn", "--ranks", "0", "--device", "cuda") == "refused"
+    assert decide("rpc_rnn", "--ranks", "0", "--device", "cuda", *far) == "refused"
 
 
 def test_under_torchrun_each_process_checks_itself(monkeypatch, capsys):

@@ -79,7 +79,7 @@ def _worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
 
 
 def test_a_local_step_after_a_distributed_backward_changes_nothing():
-    distkit.silence_torchscript_optimizer_warning()
+    distkit.quiet_distributed_optimizer()
     out = distkit.launch(_worker, checked_args("rpc_rnn.main", "--world_size", "2"))[0]
     assert out["grads_are_none"] == [True, True]  # the gradients are in the context, not in .grad
     for before, after in zip(out["before"], out["after_local"]):

@@ -332,7 +332,11 @@ def _alive(pid: int) -> bool:
     (["--world_size", "0"], "--world_size must be at least 1"),
     (["--master_port", "70000"], "argument --master_port: must be in 1..65535, got 70000"),
     (["--ranks", "1-2"], "--ranks 1-2 is not within 0..1"),
-    (["--ranks", "1"], "needs --master_addr and --master_port"),
+    (["--ranks", "1"], "a job over several machines (--ranks) needs --master_addr"),
+    (["--ranks", "0"], "a job over several machines (--ranks) needs --master_addr"),  # its store: 127.0.0.1
+    # a name of this machine's that resolves to loopback (Debian's 127.0.1.1): other machines cannot reach it
+    (["--ranks", "0", "--master_addr", "localhost"], "--master_addr localhost resolves to a loopback address"),
+    (["--ranks", "1", "--master_addr", "127.0.1.1", "--master_port", "29400"], "resolves to a loopback address"),
     (["--rpc_timeout", "nan"], "argument --rpc_timeout: must be a positive number"),
     (["--rpc_timeout", "inf"], "argument --rpc_timeout: must be a positive number"),
 ])
