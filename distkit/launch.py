@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -100,11 +101,15 @@ def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, 
 
     try:
         result = run_rank(fn, _env_worker(args), args, post)
+        if result is not None:
+            post("result", result)
     except BaseException:
+        # its reason, also for what failed after fn (the cleanup, the store's release, the result's record);
+        # the launcher prints the first record's traceback, once
+        with contextlib.suppress(Exception):
+            post("failed", traceback.format_exc())
         time.sleep(PEER_GRACE)
-        exit_now(1)  # the launcher prints the traceback, once
-    if result is not None:
-        post("result", result)
+        exit_now(1)
     exit_now(0)
 
 

@@ -582,3 +582,34 @@ def test_a_result_that_cannot_be_pickled_is_reported_with_its_reason(capsys):
         distkit.launch(_returns_what_cannot_be_pickled, launch_args("--threads", "1"))
     err = capsys.readouterr().err
     assert "rank 0 failed:" in err and "TypeError: cannot pickle this result" in err, err
+
+
+def _fails_after_its_work(worker: distkit.Worker, args: argparse.Namespace) -> None:
+    """Rank 0's work is done; what run_rank does after it (the job's store released) then fails."""
+    import distkit.worker
+
+    def store_gone(rank: int, world_size: int) -> None:
+        raise ConnectionError("the job's store is gone")
+
+    if worker.rank == 0:
+        distkit.worker.release_store = store_gone  # in this rank's process only
+
+
+@pytest.mark.timeout(90)
+def test_a_failure_after_a_ranks_work_is_reported_with_its_reason(capsys):
+    """Before: "rank 0 died (exit status 1)", the reason lost with the process."""
+    with pytest.raises(SystemExit):
+        distkit.launch(_fails_after_its_work, launch_args("--threads", "1"))
+    err = capsys.readouterr().err
+    assert "rank 0 failed:" in err and "ConnectionError: the job's store is gone" in err, err
+
+
+def test_the_traceback_mp_spawn_kept_is_the_report():
+    """An error before run_rank's guard (the parent-death signal, the environment) reaches mp.spawn's own
+    wrapper, which keeps its traceback in a ProcessRaisedException: the report is that traceback."""
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    job = distkit.Job(launch_args())
+    trace = "Traceback (most recent call last):\n  ...\nOSError: prctl failed\n"
+    exc = ProcessRaisedException(f"\n\n-- Process 1 terminated with the following error:\n{trace}", 1, 4242)
+    assert job._root_cause(exc) == f"rank 1 failed:\n{trace.strip()}"
