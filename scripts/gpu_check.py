@@ -1,6 +1,7 @@
 """The whole GPU check, for a person with a GPU: the GPU tier (tests/test_cuda.py, ``-m cuda``), then each
 example's README command with ``--device cuda`` where the visible GPUs allow it, then one table: a row a
-case, the GPUs it needs, passed / failed / skipped (why), seconds. Exits 1 if anything failed.
+case, the GPUs it needs, passed / failed / skipped (why), seconds; then, on a GPU, the ResNet case's float32
+losses beside float64 (scripts/resnet_precision.py). Exits 1 if anything failed.
 
     python scripts/gpu_check.py               # on the GPU machine, from the repository root
     python scripts/gpu_check.py --tier cpu    # the same harness on the CPU (the tier's cpu cases)
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':<{width}}  GPUs  {'seconds':>7}  result")
     for r in rows:
         print(f"{r.case:<{width}}  {r.gpus!s:>4}  {r.seconds:7.1f}  {r.result}")
+    if gpus:  # what settles the ResNet case's float32 question (docs/results.md): this GPU beside float64
+        print("\n--- scripts/resnet_precision.py --device cuda (for docs/results.md, 'On a GPU')", flush=True)
+        subprocess.run([sys.executable, "scripts/resnet_precision.py", "--device", "cuda"], cwd=REPO)
     failed = [r for r in rows if r.result.startswith("failed")]
     skipped = sum(r.result.startswith("skipped") for r in rows)
     print(f"GPU check: {len(rows) - len(failed) - skipped} passed, {skipped} skipped, {len(failed)} failed")

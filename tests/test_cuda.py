@@ -143,11 +143,14 @@ def test_rpc_rnn_sharded_embedding_and_decoder_on_gpus(tier, gpus, record_proper
         torch.testing.assert_close(gpu[rank]["losses"], cpu[rank]["losses"], **GPU)
 
 
-# A size at which the loss after a step is well-conditioned: BatchNorm over a few 64-pixel images amplifies
-# the first step's rounding (on an H200 the second loss was 0.3 % off the CPU's at --batch_size 4, lr 0.05, and
-# 3.4 % at lr 0.001; on the CPU, 1 thread against 2 moved it 1.2 %). Here 1 thread against 2: 2e-6
+# The first loss is a forward alone, well-conditioned: float32 is 2e-6 from float64 on the CPU. The loss after a
+# step is not: this ResNet's BatchNorm gradients are sums that nearly cancel (2 % off float64 in float32), and
+# the CPU's float32 second loss is 0.46 % from float64 (1 split; 0.10 % and 0.41 % at 1 and 2 threads with 2
+# splits), where an H100 was 0.06 % from it: the GPU and the CPU, both float32, were 0.40 % apart
+# (scripts/resnet_precision.py, docs/results.md). So: the first loss to 1e-4, the second to twice float32's error
 RESNET = ("--batch_size", "16", "--image_size", "96", "--num_batches", "2", "--warmup", "0", "--num_classes", "10",
           "--lr", "0.001")
+RESNET_FIRST, RESNET_AFTER_A_STEP = {"rtol": 1e-4, "atol": 0.0}, {"rtol": 1e-2, "atol": 0.0}
 
 
 # both shards on one GPU (RPC ranks may share one: they send CPU tensors), or one shard per GPU
@@ -161,7 +164,8 @@ def test_rpc_pipeline_resnet_shards_on_gpus(tier, gpus, devices, capfd, only_gpu
     assert "[rank 0] shards on cpu and cpu\n" in out, out
     assert [g["num_split"] for g in gpu[0]] == [c["num_split"] for c in cpu[0]] == [1, 2]
     for g, c in zip(gpu[0], cpu[0]):
-        torch.testing.assert_close(g["losses"], c["losses"], **GPU)
+        torch.testing.assert_close(g["losses"][0], c["losses"][0], **RESNET_FIRST)
+        torch.testing.assert_close(g["losses"][1:], c["losses"][1:], **RESNET_AFTER_A_STEP)
 
 
 @cases("gpus", (2,))  # its two stages are one per rank: NCCL wants a GPU for each
