@@ -182,15 +182,11 @@ class _Store:
         return all(k in self.data for k in keys)
 
 
-def test_a_silent_peer_is_named_from_its_heartbeat_and_nothing_is_killed(monkeypatch):
-    """Rank 0 of two, in one process: rank 1 beat once and then fell silent. Rank 0 names it and ends
-    itself; it writes only its own keys, no process id, and kills nothing (its launcher ends rank 1)."""
-    store = _Store("never")
-    store.add("distkit/watchdog/alive/1", 1)  # rank 1 started, then stopped
+def _watchdog_in_process(monkeypatch, store: _Store, rank: int) -> tuple[watchdog.Watchdog, threading.Event, list]:
+    """Rank ``rank`` of two's watchdog on ``store``, started in this process: its exit ends only the calling
+    thread and sets the event; the reports (then the exit status) go to the list."""
     monkeypatch.setattr(watchdog, "connect", lambda timeout: store)
-    monkeypatch.setattr(watchdog, "PEER_WAIT", 0.5)
     monkeypatch.delenv(watchdog.TIMER_FILE, raising=False)
-    monkeypatch.setattr(os, "kill", lambda *a: pytest.fail(f"the watchdog killed {a}"))
     exited, reports = threading.Event(), []
 
     def fake_exit(status: int) -> None:
@@ -199,7 +195,17 @@ def test_a_silent_peer_is_named_from_its_heartbeat_and_nothing_is_killed(monkeyp
         raise SystemExit
 
     monkeypatch.setattr(watchdog, "_exit", fake_exit)
-    dog = watchdog.Watchdog(rank=0, world_size=2, timeout=1.0, on_hang=reports.append).start()
+    return watchdog.Watchdog(rank=rank, world_size=2, timeout=1.0, on_hang=reports.append).start(), exited, reports
+
+
+def test_a_silent_peer_is_named_from_its_heartbeat_and_nothing_is_killed(monkeypatch):
+    """Rank 0 of two, in one process: rank 1 beat once and then fell silent. Rank 0 names it and ends
+    itself; it writes only its own keys, no process id, and kills nothing (its launcher ends rank 1)."""
+    store = _Store("never")
+    store.add("distkit/watchdog/alive/1", 1)  # rank 1 started, then stopped
+    monkeypatch.setattr(watchdog, "PEER_WAIT", 0.5)
+    monkeypatch.setattr(os, "kill", lambda *a: pytest.fail(f"the watchdog killed {a}"))
+    dog, exited, reports = _watchdog_in_process(monkeypatch, store, rank=0)
     try:
         dog.tick()  # progress: only the silent peer can be the reason
         assert exited.wait(10), "rank 0 did not notice its silent peer"
@@ -218,18 +224,8 @@ def test_the_watchdog_ends_its_rank_when_the_store_fails(fail_how, monkeypatch):
     and a frozen one held it for the client's timeout (120 s); now the rank exits 1 with its
     report within the store's bound plus one interval."""
     store = _Store(fail_how)
-    monkeypatch.setattr(watchdog, "connect", lambda timeout: store)
     monkeypatch.setattr(watchdog, "STORE_FLOOR", 1.0)  # a store call's bound: 1 s, not 10
-    monkeypatch.delenv(watchdog.TIMER_FILE, raising=False)
-    exited, reports = threading.Event(), []
-
-    def fake_exit(status: int) -> None:  # ends the calling thread instead of the process
-        reports.append(status)
-        exited.set()
-        raise SystemExit
-
-    monkeypatch.setattr(watchdog, "_exit", fake_exit)
-    dog = watchdog.Watchdog(rank=1, world_size=2, timeout=1.0, on_hang=reports.append).start()
+    dog, exited, reports = _watchdog_in_process(monkeypatch, store, rank=1)
     try:
         time.sleep(0.5)
         assert not exited.is_set(), reports  # a working store: nothing happens

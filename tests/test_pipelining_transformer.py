@@ -291,13 +291,9 @@ def test_cli_training_run_lowers_the_loss():
     assert losses[-1] < 0.75 * losses[0], losses  # about 4.2 -> 2.5 (dropout 0.1 on)
 
 
-@pytest.mark.parametrize("first_step, status", [(0, 1), (8, 0)])
-def test_exit_status_judges_the_loss_of_a_run_from_step_0_only(first_step, status, monkeypatch, capsys):
-    # what run_worker returned on the ranks: the reporting one's loss rose
-    results = {0: {"losses": None, "first_step": first_step},
-               1: {"losses": [2.2372, 2.2731, 2.2869], "first_step": first_step}}
-
-    class FinishedJob:  # main's launch, as if its ranks had run (the run_worker branch)
+def finished_job(results: dict) -> type:
+    """A stand-in for distkit.Job: main's launch, as if its ranks had run and returned ``results``."""
+    class FinishedJob:
         torchrun = True
 
         def __init__(self, args):
@@ -312,7 +308,16 @@ def test_exit_status_judges_the_loss_of_a_run_from_step_0_only(first_step, statu
         def run(self, fn, args):
             pass
 
-    monkeypatch.setattr(distkit, "Job", FinishedJob)
+    return FinishedJob
+
+
+@pytest.mark.parametrize("first_step, status", [(0, 1), (8, 0)])
+def test_exit_status_judges_the_loss_of_a_run_from_step_0_only(first_step, status, monkeypatch, capsys):
+    # what run_worker returned on the ranks: the reporting one's loss rose
+    results = {0: {"losses": None, "first_step": first_step},
+               1: {"losses": [2.2372, 2.2731, 2.2869], "first_step": first_step}}
+
+    monkeypatch.setattr(distkit, "Job", finished_job(results))
     assert main(["--world_size", "2"]) == status
     # a resumed run that is not judged says nothing; one from step 0 says why it failed
     assert capsys.readouterr().err == ("The loss did not fall: 2.2372 -> 2.2869\n" if status else "")
@@ -417,23 +422,7 @@ def test_main_py_trains_as_one_process():
 
 @pytest.mark.parametrize("losses, status", [([2.2372, 2.2731, 2.2869], 1), ([2.2372, 2.1], 0)])
 def test_main_py_exits_1_if_the_loss_did_not_fall(losses, status, monkeypatch, capsys):
-    class FinishedJob:  # main's launch, as if its ranks had run (the run_worker branch)
-        torchrun = True
-        results = {0: [], 1: losses}
-
-        def __init__(self, args):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def run(self, fn, args):
-            pass
-
-    monkeypatch.setattr(distkit, "Job", FinishedJob)
+    monkeypatch.setattr(distkit, "Job", finished_job({0: [], 1: losses}))
     assert tutorial.main(["--world_size", "2"]) == status
     assert capsys.readouterr().err == ("The loss did not fall: 2.2372 -> 2.2869\n" if status else "")
 
