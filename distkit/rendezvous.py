@@ -60,10 +60,9 @@ def connect(timeout: timedelta) -> dist.Store:
 def release_store(rank: int, world_size: int) -> None:
     """At a rank's end, once it needs the job's store no more: it says so, and the rank 0 that hosts the
     store (torchrun without a shared store) returns once every rank has, as torchrun's agents wait at
-    their exit barrier. A
-    rank elsewhere may still be in ``rpc.shutdown()``, which reads the store (over two nodes rank 0 once
-    left first, and a peer's shutdown failed with "Connection reset by peer"). distkit's launcher waits
-    the same way when it hosts the store for ranks on other machines (``Job``)."""
+    their exit barrier. A rank elsewhere may still be in ``rpc.shutdown()``, which reads the store (over
+    two nodes rank 0 once left first, and a peer's shutdown failed with "Connection reset by peer").
+    distkit's launcher waits the same way when it hosts the store for ranks on other machines (``Job``)."""
     store = job_store(DONE)
     store.set(str(rank), "1")
     if _hosted is not None:

@@ -185,3 +185,17 @@ def test_every_docs_page_says_who_it_is_for_and_stays_short(md):
     opening = md.read_text().split("\n\n")[1]
     assert opening.startswith("For "), opening
     assert len(md.read_text().split()) <= MAX_DOC_WORDS
+
+
+def named_tests(text: str) -> set[str]:
+    """The test functions a page names: ``test_x`` or ``test_x[param]`` in backticks (a module's stem,
+    ``test_devices``, or a prefix, ``test_bad_input_*``, is no function)."""
+    return {n for n in re.findall(r"`(test_\w+)", text)
+            if not n.endswith("_") and not (REPO / "tests" / f"{n}.py").exists()}
+
+
+@pytest.mark.parametrize("md", MARKDOWN, ids=[str(m.relative_to(REPO)) for m in MARKDOWN])
+def test_every_test_a_page_names_exists(md):
+    defined = {n for p in (REPO / "tests").glob("*.py") for n in re.findall(r"def (test_\w+)", p.read_text())}
+    assert not named_tests(md.read_text()) - defined, named_tests(md.read_text()) - defined
+    assert named_tests("`test_gone[x]`, `test_devices`, `test_bad_input_*`") == {"test_gone"}
