@@ -44,6 +44,9 @@ KEPT: list[dist.ProcessGroup] = []
 
 def late_collective(worker: distkit.Worker, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
+    # gloo connects its pairs one rank after the other: rank 0, through first, must not leave while rank 1
+    # still connects (once, under load: rank 1's init failed with "Connection closed by peer")
+    dist.barrier()
     if worker.rank == 0:
         KEPT.append(dist.group.WORLD)
         gc.set_threshold(1_000_000_000)  # no collection before the teardown's own
