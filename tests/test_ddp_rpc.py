@@ -342,3 +342,59 @@ def test_concurrent_optimizer_steps_on_the_table_lose_no_update():
 def test_the_sharded_versions_refuse_bad_input_before_launch(module, argv, message, capsys, monkeypatch):
     """Both sharded.py files: their own launch checks, main.py's training flags, their placement."""
     assert message in refused_before_launch(importlib.import_module(module).main, argv, capsys, monkeypatch)
+
+
+@pytest.mark.fast
+def test_a_trainer_builds_its_model_on_the_gpu_its_group_is_bound_to(monkeypatch):
+    """On a GPU machine run_worker binds the trainers' group to the trainer's GPU (process_group_args'
+    ``device_id``), and _run_trainer, called by the master in one of RPC's threads, builds its model there:
+    the group's ``bound_device_id``, not the thread's current CUDA device (cuda:0 in every new thread)."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    def model_on(remote_emb_module, device):
+        seen.append(device)
+        raise RuntimeError("built")
+
+    def group_bound_to(device):  # trainer.py's torch.distributed, as far as _run_trainer reads it
+        return SimpleNamespace(group=SimpleNamespace(WORLD=SimpleNamespace(bound_device_id=device)))
+
+    monkeypatch.setattr(trainer, "dist", group_bound_to(torch.device("cuda", 1)))
+    monkeypatch.setattr(trainer, "HybridModel", model_on)
+    with pytest.raises(RuntimeError, match="built"):
+        trainer._run_trainer(None, 1, TrainConfig())
+    assert seen == [torch.device("cuda", 1)]
+    monkeypatch.setattr(trainer, "dist", group_bound_to(None))
+    with pytest.raises(RuntimeError, match="built"):
+        trainer._run_trainer(None, 1, TrainConfig())
+    assert seen[-1] == torch.device("cpu")  # gloo on the CPU: no device bound
+
+
+@pytest.mark.fast
+def test_a_gpu_members_group_arguments_bind_it_to_its_gpu(monkeypatch):
+    """process_group_args for a member placed on cuda:1 sets that GPU and passes it as ``device_id``
+    (what _run_trainer reads back); for a CPU member, no device_id."""
+    from distkit import device
+
+    class Store:  # the job's store, for the backend agreement of a one-member group
+        def __init__(self):
+            self.data = {}
+
+        def set(self, key, value):
+            self.data[key] = value.encode() if isinstance(value, str) else value
+
+        def wait(self, keys, timeout=None):
+            pass
+
+        def get(self, key):
+            return self.data[key]
+
+    set_to = []
+    monkeypatch.setattr(device, "job_store", lambda prefix: Store())
+    monkeypatch.setattr(torch.accelerator, "set_device_index", set_to.append)
+    gpu = distkit.Placement(torch.device("cuda", 1), "nccl")
+    args = distkit.process_group_args("trainers", 0, 1, gpu, store=object())
+    assert args["device_id"] == torch.device("cuda", 1) and set_to == [torch.device("cuda", 1)]
+    cpu = distkit.Placement(torch.device("cpu"), "gloo")
+    assert "device_id" not in distkit.process_group_args("trainers", 0, 1, cpu, store=object())
