@@ -10,9 +10,10 @@ Every example's ``main()`` writes the tutorial's launch, and hands the job what 
 ``Job`` adds, each piece for the reason beside it:
 - the store, on 127.0.0.1 and a port the OS picks: c10d's listens on every interface, on a set port;
 - a look at its ranks: one stopped (SIGSTOP) alone, which no peer can see, is killed;
-- a pipe from the ranks, read by a thread of its own: their results (``mp.spawn`` returns nothing) and
-  failure records, for the first failure's report (``mp.spawn`` reports the first exit it sees; a refused
-  device: exit 2); a rank killed half-way through a record leaves that thread waiting, not the join;
+- a file per record, as torchelastic's error files: the ranks' results (``mp.spawn`` returns nothing) and
+  failures, for the first failure's report (``mp.spawn`` reports the first exit it sees; a refused device:
+  exit 2); written whole and renamed, so a rank killed half-way through one leaves none, and nothing is
+  read before the ranks are gone;
 - Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running;
 - ``GRACE``: ``mp.spawn`` gives a stopped rank 30 s to take a SIGTERM it cannot take.
 """
@@ -21,13 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import io
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
-import threading
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -81,7 +82,7 @@ def _env_worker(args: argparse.Namespace) -> Worker:
 
 
 def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, ...], addr: str, port: int,
-             outbox: tuple, index: int, args: argparse.Namespace) -> None:
+             records: str, index: int, args: argparse.Namespace) -> None:
     """``fn`` as ``mp.spawn`` calls it (``Job.wrap``): rank ``ranks[index]``, in torchrun's environment."""
     # mp.spawn's SIGINT when the launcher dies waits for Python's next bytecode, never in a collective
     die_with_parent(multiprocessing.parent_process().pid)
@@ -89,15 +90,14 @@ def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, 
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world_size),
                       LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(len(ranks)),
                       TORCHELASTIC_USE_AGENT_STORE="True")
-    pipe, lock = outbox
 
     def post(kind: str, payload: Any) -> None:
-        """A record for the launcher, as torch.save's bytes: a tensor sent as multiprocessing sends it
-        stays in this rank's shared memory, gone if the rank exits before the launcher reads it."""
-        data = io.BytesIO()
-        torch.save((kind, rank, time.time(), payload), data)
-        with lock:  # one record at a time: a large one takes many writes
-            pipe.send_bytes(data.getbuffer())
+        """A record for the launcher, the first of its kind (a failure posted again after the cleanup would
+        come later than the peer it broke): whole or not there."""
+        path = os.path.join(records, f"{kind}.{rank}")
+        if not os.path.exists(path):
+            torch.save((time.time(), payload), path + ".part")
+            os.replace(path + ".part", path)
 
     try:
         result = run_rank(fn, _env_worker(args), args, post)
@@ -124,10 +124,10 @@ class Job:
         self.addr, self.port = args.master_addr or "127.0.0.1", args.master_port or 0
         self.results: dict[int, Any] = {}
         self.records: list[tuple[str, int, float, Any]] = []  # (kind, rank, time, payload), each rank's post
+        self._records = ""  # their directory
         self.timed_out: set[int] = set()  # pids this job killed as frozen (pids get reused)
         self.hang_timeout = getattr(args, "hang_timeout", 0)  # 0: no watchdog
         self.context: ProcessContext | None = None
-        self._reader: threading.Thread | None = None
         self._before: set | None = None  # the launcher's other children, as mp.spawn starts the job's
 
     def __enter__(self) -> Job:
@@ -144,11 +144,7 @@ class Job:
                 _die(f"cannot listen on {self.addr}:{self.port} for the rendezvous: {e.strerror or e}",
                      status=2)
             self.port = self.store.port
-        # not a SimpleQueue: the launcher closes its writing end, so that a record half written by a
-        # rank killed meanwhile reads as end-of-file once the ranks are gone, not as a wait for ever
-        spawning = multiprocessing.get_context("spawn")
-        self._inbox, self._outbox = spawning.Pipe(duplex=False)
-        self._lock = spawning.Lock()
+        self._records = tempfile.mkdtemp(prefix="distkit-records-")
         self._old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a KeyboardInterrupt
         # mp.spawn logs a warning for each rank it stops after a failure: the report says so once
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -157,17 +153,13 @@ class Job:
     def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> functools.partial[None]:
         """``fn(worker, args)`` as ``mp.spawn``'s ``fn(i, args)``; fn must be module-level."""
         self._before = set(multiprocessing.active_children())
-        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port,
-                                 (self._outbox, self._lock))
+        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, self._records)
 
     def join(self, context: ProcessContext) -> None:
-        """Joins the ranks ``mp.spawn(..., join=False)`` started, reading their records meanwhile (a large
-        result fills the pipe), and kills one stopped past --hang_timeout and the margin a peer has to report
-        it first (a peer can see it only if it waits on it). A failure raises mp.spawn's exception."""
+        """Joins the ranks ``mp.spawn(..., join=False)`` started, and kills one stopped past --hang_timeout
+        and the margin a peer has to report it first (a peer can see it only if it waits on it). A failure
+        raises mp.spawn's exception."""
         self.context = context
-        self._outbox.close()  # the ranks hold their own
-        self._reader = threading.Thread(target=self._read, name="distkit-records", daemon=True)
-        self._reader.start()
         stopped: dict[int, int] = {}  # pid -> looks in a row that found it stopped (Ctrl+Z stops us too)
         while not context.join(POLL, grace_period=GRACE):
             if self.hang_timeout:
@@ -201,8 +193,7 @@ class Job:
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-            if self._reader:  # every rank is gone: the pipe reads as ended, the records are in
-                self._reader.join(GRACE)
+            self._read()  # every rank is gone: the records are in
             if exc is None and self.store is not None and len(self.ranks) < self.world_size:
                 # the store's host stays, as torchrun's agents at their exit barrier, until the ranks on
                 # other machines need it no more (rpc.shutdown reads it): a crashed one costs a wait
@@ -210,6 +201,7 @@ class Job:
                     dist.PrefixStore(DONE, self.store).wait([str(r) for r in range(self.world_size)])
         finally:
             signal.signal(signal.SIGTERM, self._old_term)
+            shutil.rmtree(self._records, ignore_errors=True)
             self.store = None
         if exc is None:
             self.results = {rank: value for kind, rank, _, value in self.records if kind == "result"}
@@ -222,12 +214,12 @@ class Job:
         return False
 
     def _read(self) -> None:
-        """The ranks' records as they come, until every rank is gone (one killed may leave half of one)."""
-        try:
-            while True:
-                self.records.append(torch.load(io.BytesIO(self._inbox.recv_bytes()), weights_only=False))
-        except (EOFError, OSError):
-            pass
+        """The ranks' records, ``kind.rank`` files (``.part``: one a killed rank left half written)."""
+        for name in sorted(os.listdir(self._records)):
+            kind, rank = name.split(".")[:2]
+            if not name.endswith(".part"):
+                self.records.append((kind, int(rank), *torch.load(os.path.join(self._records, name),
+                                                                   weights_only=False)))
 
     def _first(self, kind: str) -> tuple[str, int, float, Any] | None:
         return min((r for r in self.records if r[0] == kind), key=lambda r: r[2], default=None)
