@@ -82,7 +82,7 @@ def _env_worker(args: argparse.Namespace) -> Worker:
 
 
 def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, ...], addr: str, port: int,
-             records: str, index: int, args: argparse.Namespace) -> None:
+             record_dir: str, index: int, args: argparse.Namespace) -> None:
     """``fn`` as ``mp.spawn`` calls it (``Job.wrap``): rank ``ranks[index]``, in torchrun's environment."""
     # mp.spawn's SIGINT when the launcher dies waits for Python's next bytecode, never in a collective
     die_with_parent(multiprocessing.parent_process().pid)
@@ -94,7 +94,7 @@ def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, 
     def post(kind: str, payload: Any) -> None:
         """A record for the launcher, the first of its kind (a failure posted again after the cleanup would
         come later than the peer it broke): whole or not there."""
-        path = os.path.join(records, f"{kind}.{rank}")
+        path = os.path.join(record_dir, f"{kind}.{rank}")
         if not os.path.exists(path):
             torch.save((time.time(), payload), path + ".part")
             os.replace(path + ".part", path)
@@ -124,7 +124,7 @@ class Job:
         self.addr, self.port = args.master_addr or "127.0.0.1", args.master_port or 0
         self.results: dict[int, Any] = {}
         self.records: list[tuple[str, int, float, Any]] = []  # (kind, rank, time, payload), each rank's post
-        self._records = ""  # their directory
+        self._record_dir = ""  # where the ranks write them
         self.timed_out: set[int] = set()  # pids this job killed as frozen (pids get reused)
         self.hang_timeout = getattr(args, "hang_timeout", 0)  # 0: no watchdog
         self.context: ProcessContext | None = None
@@ -144,7 +144,7 @@ class Job:
                 _die(f"cannot listen on {self.addr}:{self.port} for the rendezvous: {e.strerror or e}",
                      status=2)
             self.port = self.store.port
-        self._records = tempfile.mkdtemp(prefix="distkit-records-")
+        self._record_dir = tempfile.mkdtemp(prefix="distkit-records-")
         self._old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a KeyboardInterrupt
         # mp.spawn logs a warning for each rank it stops after a failure: the report says so once
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -153,7 +153,7 @@ class Job:
     def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> functools.partial[None]:
         """``fn(worker, args)`` as ``mp.spawn``'s ``fn(i, args)``; fn must be module-level."""
         self._before = set(multiprocessing.active_children())
-        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, self._records)
+        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, self._record_dir)
 
     def join(self, context: ProcessContext) -> None:
         """Joins the ranks ``mp.spawn(..., join=False)`` started, and kills one stopped past --hang_timeout
@@ -201,7 +201,7 @@ class Job:
                     dist.PrefixStore(DONE, self.store).wait([str(r) for r in range(self.world_size)])
         finally:
             signal.signal(signal.SIGTERM, self._old_term)
-            shutil.rmtree(self._records, ignore_errors=True)
+            shutil.rmtree(self._record_dir, ignore_errors=True)
             self.store = None
         if exc is None:
             self.results = {rank: value for kind, rank, _, value in self.records if kind == "result"}
@@ -215,10 +215,10 @@ class Job:
 
     def _read(self) -> None:
         """The ranks' records, ``kind.rank`` files (``.part``: one a killed rank left half written)."""
-        for name in sorted(os.listdir(self._records)):
-            kind, rank = name.split(".")[:2]
+        for name in os.listdir(self._record_dir):
             if not name.endswith(".part"):
-                self.records.append((kind, int(rank), *torch.load(os.path.join(self._records, name),
+                kind, rank = name.split(".")
+                self.records.append((kind, int(rank), *torch.load(os.path.join(self._record_dir, name),
                                                                    weights_only=False)))
 
     def _first(self, kind: str) -> tuple[str, int, float, Any] | None:
