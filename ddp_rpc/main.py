@@ -101,13 +101,19 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
                      rpc_backend_options=rpc_backend_options)
         result = run_master(args)
     elif worker.rank < trainers:
-        # Initialize process group for Distributed DataParallel on trainers (tutorial: gloo, :29500). Its
-        # store: the job's, under its own key prefix. process_group_args waits for every trainer (one may
-        # start late), checks they chose one backend and sets this trainer's GPU; the group's timeout
-        # bounds DDP's allreduce: a trainer whose peer hangs fails after --rpc_timeout s, not 30 minutes
-        group = distkit.process_group_args("trainers", worker.rank, trainers, placement(worker, args),
-                                           distkit.job_store("trainers"))
-        dist.init_process_group(**group, timeout=timedelta(seconds=args.rpc_timeout))
+        # Initialize process group for Distributed DataParallel on trainers. Not the tutorial's gloo on
+        # tcp://localhost:29500: the backend every trainer agreed on (NCCL on a GPU each, bound to it by
+        # device_id), and the job's store under a key prefix of its own. The timeout bounds DDP's
+        # allreduce: a trainer whose peer hangs fails after --rpc_timeout s, not 30 minutes
+        where = placement(worker, args)
+        dist.init_process_group(
+            backend=distkit.agreed_backend("trainers", worker.rank, trainers, where),
+            rank=worker.rank,
+            world_size=trainers,
+            store=distkit.job_store("trainers"),
+            device_id=where.device_id,
+            timeout=timedelta(seconds=args.rpc_timeout),
+        )
 
         # Initialize RPC.
         trainer_name = f"trainer{worker.rank}"

@@ -108,7 +108,9 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     """Every rank: join the group, build its share of the model, train; rank 0 returns the summary."""
     rank, world_size = worker.rank, worker.world_size
     where = placement(worker, args)
-    dist.init_process_group(**distkit.process_group_args("ranks", rank, world_size, where))
+    # the backend every rank agreed on; under torchrun, a store of this restart's own
+    dist.init_process_group(backend=distkit.agreed_backend("ranks", rank, world_size, where), rank=rank,
+                            world_size=world_size, store=distkit.process_group_store(), device_id=where.device_id)
     mesh = init_device_mesh(where.device.type, (world_size,))
     config = TrainConfig(args.epochs, args.batches_per_epoch, args.batch_size, args.lr, args.seed)
     # the weights main.py draws with as many trainers: the table as its parameter server (rank N+1), fc

@@ -1,5 +1,5 @@
 """Device, backend and thread choices that work unchanged on a laptop CPU and a GPU node: ``pick_device``
-for an RPC-only rank, ``group_placement`` and ``process_group_args`` for a process group's members."""
+for an RPC-only rank, ``group_placement`` and ``agreed_backend`` for a process group's members."""
 from __future__ import annotations
 
 import logging
@@ -7,12 +7,10 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
-from .rendezvous import STORE_TIMEOUT, job_store, process_group_store, restart_key
+from .rendezvous import STORE_TIMEOUT, job_store, restart_key
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 NO_GPU = "--device cuda was asked for, but no CUDA device is visible on this machine"
@@ -28,6 +26,11 @@ class Placement:
 
     device: torch.device
     backend: str | None = None
+
+    @property
+    def device_id(self) -> torch.device | None:
+        """For ``init_process_group(device_id=...)``: the GPU that binds the group to it, None on the CPU."""
+        return None if self.device.type == "cpu" else self.device
 
 
 def gpu_count() -> int:
@@ -70,25 +73,19 @@ def group_placement(preference: str, local_index: int, local_members: int) -> Pl
     return Placement(torch.device("cpu"), "gloo")
 
 
-def process_group_args(group: str, rank: int, world_size: int, placement: Placement,
-                       store: dist.Store | None = None) -> dict[str, Any]:
-    """``dist.init_process_group``'s arguments: the one process-group start every example shares. Every
-    member first checks that all chose its backend (``auto`` found GPUs on one machine only): a
-    ``DeviceError`` naming each machine, not a hang inside ``init_process_group``; then this rank's GPU is
-    set and bound to the group, and the store is ``store`` or ``process_group_store()`` (under torchrun,
-    this restart's own)."""
+def agreed_backend(group: str, rank: int, world_size: int, placement: Placement) -> str | None:
+    """``placement``'s backend, for ``dist.init_process_group(backend=...)``, once every member of ``group``
+    has chosen the same: a ``DeviceError`` naming each machine where ``auto`` found GPUs on one only, not a
+    hang inside ``init_process_group``. On a GPU, it also makes this rank's GPU the current one."""
     seen = job_store(f"distkit/placement/{group}/{restart_key()}")  # a torchrun restart's own keys
     seen.set(str(rank), f"{socket.gethostname()}|{gpu_count()}|{placement.device}|{placement.backend}")
     keys = [str(r) for r in range(world_size)]
     seen.wait(keys, STORE_TIMEOUT)
     if problem := backend_disagreement([seen.get(k).decode().split("|") for k in keys]):
         raise DeviceError(problem)
-    gpu = placement.device.type != "cpu"
-    if gpu:
-        torch.accelerator.set_device_index(placement.device)
-    # device_id binds the group to this rank's GPU (``group.bound_device_id``, read in any thread)
-    return {"backend": placement.backend, "store": store or process_group_store(), "rank": rank,
-            "world_size": world_size, **({"device_id": placement.device} if gpu else {})}
+    if placement.device_id is not None:
+        torch.accelerator.set_device_index(placement.device_id)
+    return placement.backend
 
 
 def backend_disagreement(seen: Sequence[Sequence[str]]) -> str | None:

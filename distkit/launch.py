@@ -9,13 +9,13 @@ Every example's ``main()`` writes the tutorial's launch, and hands the job what 
 ``ProcessContext`` it returns holds the job's processes and joins them as ``join=True`` would.
 ``Job`` adds, each piece for the reason beside it:
 - the store, on 127.0.0.1 and a port the OS picks: c10d's listens on every interface, on a set port;
-- a look at its ranks: one stopped (SIGSTOP) alone, which no peer can see, is killed;
 - a file per record, as torchelastic's error files: the ranks' results (``mp.spawn`` returns nothing) and
   failures, for the first failure's report (``mp.spawn`` reports the first exit it sees; a refused device:
   exit 2); written whole and renamed, so a rank killed half-way through one leaves none, and nothing is
   read before the ranks are gone;
-- Ctrl+C and SIGTERM: an interrupted ``mp.spawn`` leaves its ranks running;
+- Ctrl+C and SIGTERM (exit 130 and 143): an interrupted ``mp.spawn`` leaves its ranks running;
 - ``GRACE``: ``mp.spawn`` gives a stopped rank 30 s to take a SIGTERM it cannot take.
+Under torchrun, ``run`` is PyTorch's ``@record``: a rank's exception reaches torchrun's own summary.
 """
 from __future__ import annotations
 
@@ -37,17 +37,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.multiprocessing.spawn import ProcessContext, ProcessException, ProcessRaisedException
 
 from .rendezvous import DONE, STORE_TIMEOUT, agent_hosts_store, connect, host_store, under_torchrun
-from .watchdog import TIMER_MARGIN
+from .profiling import traced
 from .worker import Worker, die_with_parent, exit_now, run_rank
 
 # a raising rank waits before it exits: a peer killed by a signal (with RPC's many threads) is slow to
 # be reaped, and mp.spawn blames the first exit it sees (seen in CI: ddp_rpc's parameter server)
 PEER_GRACE = 1.0
 GRACE = 2.0  # after a failure, seconds for the other ranks to end, then to take SIGTERM, before SIGKILL
-POLL = 0.5  # seconds between the job's looks at its ranks
+POLL = 0.5  # seconds between the job's looks at its ranks (a signal's KeyboardInterrupt lands between them)
 spawn = mp.spawn  # what ``launch`` calls: mp.spawn, as every main() does (the tests' is tests/forkserver.py)
 
 
@@ -113,10 +114,19 @@ def _spawned(fn: Callable[[Worker, argparse.Namespace], Any], ranks: tuple[int, 
     exit_now(0)
 
 
-class Job:
-    """One launch; ``job.results``: ``{rank: run_worker's result}`` here; a failure: its report, exit 1."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to the launcher: ended as Ctrl+C is, with a SIGTERM's exit status."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+class Job:
+    """One launch; ``job.results``: ``{rank: run_worker's result}`` here; a failure: its report, exit 1.
+    With ``trace`` (a directory), each rank's function runs under torch.profiler, written there."""
+
+    def __init__(self, args: argparse.Namespace, trace: str | None = None) -> None:
         self.torchrun = under_torchrun()
         self.ranks = [] if self.torchrun else parse_ranks(args.ranks, args.world_size)
         self.world_size = args.world_size
@@ -125,10 +135,8 @@ class Job:
         self.results: dict[int, Any] = {}
         self.records: list[tuple[str, int, float, Any]] = []  # (kind, rank, time, payload), each rank's post
         self._record_dir = ""  # where the ranks write them
-        self.timed_out: set[int] = set()  # pids this job killed as frozen (pids get reused)
-        self.hang_timeout = getattr(args, "hang_timeout", 0)  # 0: no watchdog
+        self.trace = trace
         self.context: ProcessContext | None = None
-        self._before: set | None = None  # the launcher's other children, as mp.spawn starts the job's
 
     def __enter__(self) -> Job:
         if self.torchrun:
@@ -145,35 +153,28 @@ class Job:
                      status=2)
             self.port = self.store.port
         self._record_dir = tempfile.mkdtemp(prefix="distkit-records-")
-        self._old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a KeyboardInterrupt
+        self._old_term = signal.signal(signal.SIGTERM, _terminated)  # a KeyboardInterrupt
         # mp.spawn logs a warning for each rank it stops after a failure: the report says so once
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         return self
 
     def wrap(self, fn: Callable[[Worker, argparse.Namespace], Any]) -> functools.partial[None]:
         """``fn(worker, args)`` as ``mp.spawn``'s ``fn(i, args)``; fn must be module-level."""
-        self._before = set(multiprocessing.active_children())
-        return functools.partial(_spawned, fn, tuple(self.ranks), self.addr, self.port, self._record_dir)
+        return functools.partial(_spawned, traced(fn, self.trace), tuple(self.ranks), self.addr, self.port,
+                                 self._record_dir)
 
     def join(self, context: ProcessContext) -> None:
-        """Joins the ranks ``mp.spawn(..., join=False)`` started, and kills one stopped past --hang_timeout
-        and the margin a peer has to report it first (a peer can see it only if it waits on it). A failure
-        raises mp.spawn's exception."""
+        """Joins the ranks ``mp.spawn(..., join=False)`` started; a failure raises mp.spawn's exception. A
+        rank stopped by SIGSTOP or a debugger is yours to resume or kill: its peers name it and leave."""
         self.context = context
-        stopped: dict[int, int] = {}  # pid -> looks in a row that found it stopped (Ctrl+Z stops us too)
         while not context.join(POLL, grace_period=GRACE):
-            if self.hang_timeout:
-                pids = [p.pid for p in context.processes if p.exitcode is None]  # not reaped: still ours
-                stopped = {pid: stopped.get(pid, 0) + 1 for pid in pids if _stopped(pid)}
-                for pid, looks in stopped.items():
-                    if looks * POLL > self.hang_timeout + TIMER_MARGIN:
-                        self.timed_out.add(pid)
-                        os.kill(pid, signal.SIGKILL)
+            pass
 
     def run(self, fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Namespace) -> None:
-        """Under torchrun: run this process's rank (torchrun reports a failure itself)."""
+        """Under torchrun: run this process's rank. ``@record`` writes a failure to torchrun's error file,
+        which its summary shows; this rank's stderr has it too."""
         worker = _env_worker(args)
-        result = run_rank(fn, worker, args)
+        result = record(run_rank)(traced(fn, self.trace), worker, args)
         if result is not None:
             self.results[worker.rank] = result
 
@@ -181,11 +182,7 @@ class Job:
         if self.torchrun:
             return False
         try:  # only this job's ranks: after an interrupt they still run (a failure's join ended them)
-            if self.context:
-                ours = self.context.processes
-            else:  # interrupted inside mp.spawn, which returns no context: the children it started
-                ours = set(multiprocessing.active_children()) - self._before if self._before is not None else set()
-            running = [p for p in ours if p.is_alive()]
+            running = [p for p in (self.context.processes if self.context else []) if p.is_alive()]
             for p in running:
                 p.terminate()
             for p in running:
@@ -205,6 +202,8 @@ class Job:
             self.store = None
         if exc is None:
             self.results = {rank: value for kind, rank, _, value in self.records if kind == "result"}
+        elif isinstance(exc, Terminated):  # as a shell reports a process that SIGTERM ended: 128 + 15
+            _die("terminated (SIGTERM); all workers stopped", status=128 + signal.SIGTERM)
         elif isinstance(exc, KeyboardInterrupt):
             _die("interrupted; all workers stopped", status=130)
         elif isinstance(exc, ProcessException):
@@ -226,13 +225,12 @@ class Job:
 
     def _root_cause(self, exc: ProcessException) -> str:
         """The failure that came first (exit order says little: ranks record when they raised); a rank
-        killed by a signal counts as first, unless the watchdog reported a hang (it ends the stopped)."""
-        if hang := self._first("hang"):
-            return f"rank {hang[1]} failed:\n{hang[3]}"
+        killed by a signal counts as first, unless the watchdog reported a hang (a stopped rank is ended
+        after its peers named it). A failure and a hang both recorded: both, the earlier first."""
+        reports = sorted((r for r in (self._first("failed"), self._first("hang")) if r), key=lambda r: r[2])
+        if any(kind == "hang" for kind, *_ in reports):
+            return "\n".join(f"rank {rank} failed:\n{text}" for _, rank, _, text in reports)
         rank, code = self.ranks[exc.error_index], getattr(exc, "exit_code", 1)
-        if code < 0 and exc.error_pid in self.timed_out:
-            return (f"rank {rank} was frozen (no heartbeat: stopped for --hang_timeout + {TIMER_MARGIN:g} s) "
-                    f"and was killed; the job is stopped")
         if code < 0:
             return f"rank {rank} died (signal {signal.Signals(-code).name}); the job is stopped"
         if failed := self._first("failed"):
@@ -250,16 +248,6 @@ def launch(fn: Callable[[Worker, argparse.Namespace], Any], args: argparse.Names
         else:
             job.join(spawn(job.wrap(fn), args=(args,), nprocs=job.nprocs, join=False))
     return job.results
-
-
-def _stopped(pid: int) -> bool:
-    """Whether the rank ``pid``, a child of this process, is stopped (SIGSTOP, or traced): asked of the
-    kernel as its parent, true also in a PID namespace whose /proc is not its own."""
-    try:  # WNOWAIT: the state stays for mp.spawn's own wait; WSTOPPED alone: an exit is not reported here
-        info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # reaped meanwhile
-        return False
-    return info is not None and info.si_code in (os.CLD_STOPPED, os.CLD_TRAPPED)
 
 
 def _die(message: str, status: int = 1) -> None:

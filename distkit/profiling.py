@@ -3,10 +3,13 @@ on the agent's threads, which it records only with a private option, named only 
 2.14): ``test_the_profiler_records_every_thread`` fails when torch renames it."""
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -27,3 +30,13 @@ def profiled(directory: str | None, name: str) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     logging.getLogger("distkit").info(f"torch.profiler trace written to {path}")
+
+
+def traced(fn: Callable[[Any, argparse.Namespace], Any], directory: str | None) -> Callable[..., Any]:
+    """``fn(worker, args)``, a rank's function, profiled whole from outside it (``distkit.Job(args, trace=DIR)``)."""
+    return fn if directory is None else functools.partial(_traced, fn, directory)
+
+
+def _traced(fn: Callable[[Any, argparse.Namespace], Any], directory: str, worker: Any, args: argparse.Namespace) -> Any:
+    with profiled(directory, f"rank{worker.rank}"):
+        return fn(worker, args)

@@ -46,9 +46,15 @@ class Pipeline:
 
 def init_distributed(worker: distkit.Worker, where: distkit.Placement) -> Pipeline:
     """Join the process group torchrun (or distkit.Job) describes; the rank is read from the group."""
-    # distkit: one backend on every machine (a refusal, not a hang) and this rank's GPU; under torchrun
-    # a store of this restart's own. The launcher chose the device: a GPU per rank, else the CPU
-    dist.init_process_group(**distkit.process_group_args("pp", worker.rank, worker.world_size, where))
+    # Not the tutorial's bare call: the backend every machine agreed on (a refusal, not a hang; NCCL on a GPU
+    # each, bound to it by device_id), and under torchrun a store of this restart's own
+    dist.init_process_group(
+        backend=distkit.agreed_backend("pp", worker.rank, worker.world_size, where),
+        rank=worker.rank,
+        world_size=worker.world_size,
+        store=distkit.process_group_store(),
+        device_id=where.device_id,
+    )
     rank, world_size = dist.get_rank(), dist.get_world_size()  # RANK, not the tutorial's LOCAL_RANK
     # This group can be a sub-group in the N-D parallel case
     pp_group = dist.new_group()

@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 def init_distributed(worker: distkit.Worker, where: distkit.Placement, dp_size: int = 1) -> DistEnv:
     """main.py's process group, and on it a ("dp", "pp") mesh of ``dp_size`` pipelines: where this rank sits.
     The mesh makes the groups, so main.py's one more (the tutorial's ``pp_group``) is not made here."""
-    dist.init_process_group(**distkit.process_group_args("pp", worker.rank, worker.world_size, where))
+    dist.init_process_group(backend=distkit.agreed_backend("pp", worker.rank, worker.world_size, where),
+                            rank=worker.rank, world_size=worker.world_size, store=distkit.process_group_store(),
+                            device_id=where.device_id)
     return DistEnv(where.device, dp.device_mesh(where.device, dist.get_world_size(), dp_size))
 
 

@@ -7,10 +7,8 @@ its shards. A fresh model (same weights) per N in --splits trains on batches of 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -19,7 +17,6 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
-from torch.profiler import record_function
 
 import distkit
 from distkit.args import at_least, path, positive
@@ -36,9 +33,7 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
                         help="numbers of micro-batches per batch to train and time, one run each")
     parser.add_argument("--batch_size", type=at_least(1), default=16, help="images per batch")
     parser.add_argument("--image_size", type=at_least(1), default=128, help="image width and height")
-    parser.add_argument("--num_batches", type=at_least(1), default=3, help="timed batches per run")
-    parser.add_argument("--warmup", type=at_least(0), default=1,
-                        help="batches first that the benchmark's meters leave out (set-up slows them)")
+    parser.add_argument("--num_batches", type=at_least(1), default=3, help="batches per run")
     parser.add_argument("--num_classes", type=at_least(1), default=NUM_CLASSES, help="classes (fc outputs)")
     parser.add_argument("--lr", type=positive, default=0.05, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
@@ -92,11 +87,8 @@ def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Place
     return distkit.Placement(distkit.pick_device(args.device, worker.rank - 1))
 
 
-def run_master(num_split: int, args: argparse.Namespace, devices: list[torch.device],
-               on_batch: Callable[[DistResNet50, int], object] = lambda model, i: contextlib.nullcontext()
-               ) -> list[float]:  # the tutorial's loop alone
-    """The tutorial's training loop, ``num_split`` micro-batches a batch; returns the losses.
-    ``on_batch(model, i)`` is entered around each batch (the benchmark's meters, the pictures' marks)."""
+def run_master(num_split: int, args: argparse.Namespace, devices: list[torch.device]) -> list[float]:
+    """The tutorial's training loop, ``num_split`` micro-batches a batch; returns the losses."""
     # put the two model parts on worker1 and worker2 respectively (from --seed: the same weights every time)
     model = DistResNet50(num_split, WORKERS, devices, num_classes=args.num_classes, seed=args.seed)
     loss_fn = nn.MSELoss()
@@ -110,13 +102,13 @@ def run_master(num_split: int, args: argparse.Namespace, devices: list[torch.dev
     gen = torch.Generator().manual_seed(args.seed)
     one_hot_indices = torch.randint(0, args.num_classes, (args.batch_size, 1), generator=gen)
     losses = []
-    for i in range(args.warmup + args.num_batches):
+    for i in range(args.num_batches):
         log.info(f"Processing batch {i}")
         # generate random inputs and labels
         inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
         labels = torch.zeros(args.batch_size, args.num_classes).scatter_(1, one_hot_indices, 1)
         # the context collects the gradients on every worker the forward touched: fresh each batch, no zero_grad
-        with on_batch(model, i), dist_autograd.context() as context_id:
+        with dist_autograd.context() as context_id:
             outputs = model(inputs)
             loss = loss_fn(outputs, labels)  # its own line: the run reports the loss
             dist_autograd.backward(context_id, [loss])
@@ -134,26 +126,24 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] |
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=128, rpc_timeout=args.rpc_timeout,
                                               _transports=["uv"])
     runs = None
-    with distkit.profiled(args.trace, f"rank{worker.rank}"):
-        if worker.rank == 0:
-            rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)
-            # each worker picks its shard's device, knowing its own GPUs, as ``placement`` did before launch
-            devices = [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i)) for i, name in enumerate(WORKERS)]
-            log.info(f"shards on {' and '.join(map(str, devices))}")
-            runs = []
-            for num_split in args.splits:
-                tik = time.time()
-                with record_function(f"number of splits = {num_split}"):  # a span in the --trace
-                    losses = run_master(num_split, args, devices)
-                tok = time.time()
-                log.info(f"number of splits = {num_split}, execution time = {tok - tik}")
-                log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
-                runs.append({"num_split": num_split, "time": tok - tik, "losses": losses})
-        else:
-            rpc.init_rpc(f"worker{worker.rank}", rank=worker.rank, world_size=worker.world_size,
-                         rpc_backend_options=options)
-        # block until all rpcs finish
-        rpc.shutdown()
+    if worker.rank == 0:
+        rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)
+        # each worker picks its shard's device, knowing its own GPUs, as ``placement`` did before launch
+        devices = [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i)) for i, name in enumerate(WORKERS)]
+        log.info(f"shards on {' and '.join(map(str, devices))}")
+        runs = []
+        for num_split in args.splits:
+            tik = time.time()
+            losses = run_master(num_split, args, devices)
+            tok = time.time()
+            log.info(f"number of splits = {num_split}, execution time = {tok - tik}")
+            log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
+            runs.append({"num_split": num_split, "time": tok - tik, "losses": losses})
+    else:
+        rpc.init_rpc(f"worker{worker.rank}", rank=worker.rank, world_size=worker.world_size,
+                     rpc_backend_options=options)
+    # block until all rpcs finish
+    rpc.shutdown()
     return runs
 
 
@@ -161,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # the tutorial's mp.spawn; distkit.Job adds a free port, the hang watchdog, failure reports, results
-    with distkit.Job(args) as job:
+    # the tutorial's mp.spawn; distkit.Job adds a free port, the hang watchdog, failure reports, results, and
+    # runs each rank under torch.profiler with --trace
+    with distkit.Job(args, trace=args.trace) as job:
         if job.torchrun:
             job.run(run_worker, args)
         else:

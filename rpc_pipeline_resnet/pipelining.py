@@ -5,11 +5,9 @@ MSELoss; each steps its own SGD. ``ScheduleGPipe`` or ``--schedule 1F1B``. Under
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -79,8 +77,10 @@ def init_distributed(where: distkit.Placement) -> tuple[int, torch.device]:
     """Join the process group torchrun (or distkit) describes, on ``placement``'s ``where``; rank, device."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    # distkit: one backend on every machine, this rank's GPU, under torchrun this restart's store
-    dist.init_process_group(**distkit.process_group_args("pp", rank, world_size, where))
+    # the backend every machine agreed on (NCCL on a GPU each, bound to it by device_id); under torchrun, a
+    # store of this restart's own
+    dist.init_process_group(backend=distkit.agreed_backend("pp", rank, world_size, where), rank=rank,
+                            world_size=world_size, store=distkit.process_group_store(), device_id=where.device_id)
     return rank, where.device
 
 
@@ -115,11 +115,8 @@ def manual_model_split(stage_index: int, num_stages: int, device: torch.device,
     return stage
 
 
-def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: torch.device,
-                 on_batch: Callable[[PipelineStage, int], contextlib.AbstractContextManager]
-                 = lambda stage, i: contextlib.nullcontext()) -> list[float]:  # the loop alone
-    """main.py's ``run_master`` on one rank, pipelined by a schedule; returns the losses (rank 1; rank 0 none).
-    ``on_batch(stage, i)`` is entered around each batch (the benchmark's meters, the pictures' marks)."""
+def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: torch.device) -> list[float]:
+    """main.py's ``run_master`` on one rank, pipelined by a schedule; returns the losses (rank 1; rank 0 none)."""
     stage_index, num_stages = rank, 2  # one stage per rank
     stage = manual_model_split(stage_index, num_stages, device, args)
     loss_fn = nn.MSELoss()
@@ -132,24 +129,23 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
     one_hot_indices = torch.randint(0, args.num_classes, (args.batch_size, 1), generator=gen)
     labels = torch.zeros(args.batch_size, args.num_classes).scatter_(1, one_hot_indices, 1)
     losses = []
-    for i in range(args.warmup + args.num_batches):
+    for i in range(args.num_batches):
         if stage.is_first:
             log.info(f"Processing batch {i}")
             inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
-        with on_batch(stage, i):
-            # step() sums the micro-batches' gradients in .grad and divides by num_split (scale_grads): their
-            # mean loss's gradient = main.py's batch MSE's (test_both_pipelines_train_what_one_process_trains)
-            opt.zero_grad()
-            if stage.is_first:
-                # cuts the batch, runs stage 0 on each micro-batch, sends its output to rank 1; receives the
-                # gradient of that output back, runs stage 0's backward
-                schedule.step(inputs.to(device))
-            else:
-                mb_losses = []
-                # receives stage 0's outputs, runs stage 1 and loss_fn on each micro-batch, the backward, sends
-                # the gradient of stage 1's input back to rank 0; returns the batch's logits (not needed here)
-                schedule.step(target=labels.to(device), losses=mb_losses)
-            opt.step()
+        # step() sums the micro-batches' gradients in .grad and divides by num_split (scale_grads): their
+        # mean loss's gradient = main.py's batch MSE's (test_both_pipelines_train_what_one_process_trains)
+        opt.zero_grad()
+        if stage.is_first:
+            # cuts the batch, runs stage 0 on each micro-batch, sends its output to rank 1; receives the
+            # gradient of that output back, runs stage 0's backward
+            schedule.step(inputs.to(device))
+        else:
+            mb_losses = []
+            # receives stage 0's outputs, runs stage 1 and loss_fn on each micro-batch, the backward, sends
+            # the gradient of stage 1's input back to rank 0; returns the batch's logits (not needed here)
+            schedule.step(target=labels.to(device), losses=mb_losses)
+        opt.step()
         if stage.is_last:
             # only reported: equal micro-batches, so the mean of their MSEs is the batch's, main.py's loss
             loss = torch.stack(mb_losses).mean().item()
@@ -162,16 +158,15 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
     rank, device = init_distributed(placement(worker, args))
     log.info(f"stage {rank} on {device}")  # what --device chose
     runs = []
-    with distkit.profiled(args.trace, f"rank{rank}"):
-        for num_split in args.splits:
-            tik = time.time()  # as main.py times run_master
-            losses = run_pipeline(num_split, args, rank, device)
-            tok = time.time()
-            runs.append({"num_split": num_split, "time": tok - tik, "losses": losses})
-            if rank == 0:
-                log.info(f"number of splits = {num_split}, execution time = {tok - tik}")
-            else:
-                log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
+    for num_split in args.splits:
+        tik = time.time()  # as main.py times run_master
+        losses = run_pipeline(num_split, args, rank, device)
+        tok = time.time()
+        runs.append({"num_split": num_split, "time": tok - tik, "losses": losses})
+        if rank == 0:
+            log.info(f"number of splits = {num_split}, execution time = {tok - tik}")
+        else:
+            log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
     dist.destroy_process_group()
     return runs
 
@@ -181,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     # as in the tutorial, torchrun starts one process per rank; without it, mp.spawn starts --world_size here
-    with distkit.Job(args) as job:
+    # (distkit.Job runs each rank under torch.profiler with --trace)
+    with distkit.Job(args, trace=args.trace) as job:
         if job.torchrun:
             job.run(run_worker, args)
         else:

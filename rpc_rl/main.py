@@ -68,6 +68,16 @@ def build_agent(args: argparse.Namespace, world_size: int) -> Agent:
     return agent
 
 
+def finish_run(agent: Agent, rewards: list[float], args: argparse.Namespace) -> dict:
+    """After the agent's loop: its run (for ``main`` and the tests), and the policy saved with --save."""
+    if args.save:
+        save_policy(agent.policy, args.save, episodes=len(rewards), running_reward=agent.running_reward)
+        log.info(f"Policy saved to {args.save}")
+    return {"solved": agent.running_reward > agent.reward_threshold, "episodes": len(rewards), "rewards": rewards,
+            "running_reward": agent.running_reward, "threshold": agent.reward_threshold,
+            "policy": agent.policy.state_dict()}
+
+
 def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     """Rank 0 trains as the agent; other ranks serve as observers. The agent returns its run."""
     # TCP only (as between machines): TensorPipe's shared-memory transport busy-polls, too costly on a small CPU
@@ -90,12 +100,7 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
             if agent.running_reward > agent.reward_threshold:
                 log.info(f"Solved! Running reward is now {agent.running_reward}!")
                 break
-        if args.save:
-            save_policy(agent.policy, args.save, episodes=len(rewards), running_reward=agent.running_reward)
-            log.info(f"Policy saved to {args.save}")
-        result = {"solved": agent.running_reward > agent.reward_threshold, "episodes": len(rewards),
-                  "rewards": rewards, "running_reward": agent.running_reward,
-                  "threshold": agent.reward_threshold, "policy": agent.policy.state_dict()}
+        result = finish_run(agent, rewards, args)  # beyond the tutorial: the run for main(), --save
     else:
         # other ranks are the observers
         rpc.init_rpc(OBSERVER_NAME.format(worker.rank), rank=worker.rank,

@@ -113,7 +113,9 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     """Every rank: join the group, build its share of the model, train; each returns its losses."""
     rank, world_size = worker.rank, worker.world_size
     where = placement(worker, args)
-    dist.init_process_group(**distkit.process_group_args("ranks", rank, world_size, where))
+    # the backend every rank agreed on; under torchrun, a store of this restart's own
+    dist.init_process_group(backend=distkit.agreed_backend("ranks", rank, world_size, where), rank=rank,
+                            world_size=world_size, store=distkit.process_group_store(), device_id=where.device_id)
     mesh = init_device_mesh(where.device.type, (world_size,))
     # the same seed on every rank: the same LSTM, and the same dropout masks wherever the ranks hold copies
     torch.manual_seed(args.seed)

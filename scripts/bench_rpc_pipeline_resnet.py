@@ -7,13 +7,11 @@ so no measurement depends on what ran before it. Usage, columns: docs/rpc_pipeli
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import importlib
 import math
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from unittest import mock
 
@@ -27,7 +25,7 @@ import distkit
 import rpc_pipeline_resnet.pipelining as pp_example
 from distkit.schedules import schedule_problem
 from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2
-from resnet_meters import Meter, StageMeter, steady_malloc
+from resnet_meters import Meter, StageMeter, batch_windows, steady_malloc
 
 HEADER = ["engine", "procs", "image", "m", "GFLOP/mb", "s/batch", "floor", "x 1 split", "bound 1",
           "eff.", "model", "vs rpc", "user s", "x user", "bound", "seq s", "x seq", "bound ",
@@ -92,28 +90,22 @@ def gflop_per_image(size: int, num_classes: int) -> float:
     return 3 * sum(flops) / 2 / 1e9
 
 
-def bench_worker(engine: str, configs: list[tuple[int, int]], worker: distkit.Worker,
+def bench_worker(engine: str, configs: list[tuple[int, int]], warmup: int, worker: distkit.Worker,
                  args: argparse.Namespace) -> list[dict]:
-    """Every rank: the engine's ``run_worker``, run i on configuration i, our meter in ``on_batch``."""
+    """Every rank: the engine's ``run_worker``, run i on configuration i, our meter on each batch (its
+    model and optimizer, patched in: ``batch_windows``), the first ``warmup`` batches of a run left out."""
     steady_malloc()  # every process of the job keeps its memory: see resnet_meters.py
     module_name, loop_name = ENGINES[engine]
     module = importlib.import_module(module_name)
     loop = getattr(module, loop_name)
     runs, measured = iter(configs), []
 
-    def run_config(num_split: int, args: argparse.Namespace, *rest,
-                   on_batch=lambda model, i: contextlib.nullcontext()) -> list[float]:
+    def run_config(num_split: int, args: argparse.Namespace, *rest) -> list[float]:
         size, m = next(runs)
         assert m == num_split, (m, num_split)
-        meter = (Meter if engine == "rpc" else StageMeter)(args.warmup)
-
-        @contextlib.contextmanager
-        def examples_and_ours(model_or_stage, i: int) -> Iterator[None]:
-            with on_batch(model_or_stage, i), meter(model_or_stage, i):
-                yield
-
-        losses = loop(m, argparse.Namespace(**{**vars(args), "image_size": size}), *rest,
-                      on_batch=examples_and_ours)
+        meter = (Meter if engine == "rpc" else StageMeter)(warmup)
+        with batch_windows(module, meter):
+            losses = loop(m, argparse.Namespace(**{**vars(args), "image_size": size}), *rest)
         measured.append(meter.result(losses))
         return losses
 
@@ -144,7 +136,7 @@ def summarize(jobs: list[tuple[str, int, list, list]], refs: dict, users: dict, 
                    "floor": floor, "user s": user, "x user": user / t, "bound": user / floor,
                    "seq s": ref["wall"], "x seq": ref["wall"] / t, "bound ": ref["wall"] / floor,
                    "2m/(m+1)": 2 * m / (m + 1), "eff.": floor / t, "busy": w / t,
-                   "work": w / ref["cpu"], "losses": run["losses"],
+                   "work": w / ref["cpu"], "losses": run["losses"], "batch_times": run["batch_times"],
                    "CPU s/shard": "/".join(f"{c:.2f}" for c in shard_cpu), "shard cpu": shard_cpu,
                    "peak MB": "/".join(f"{p:.0f}" for p in run["peak_mb"]),
                    # two one-core stages, shard CPU seconds A <= B: B plus one micro-batch of A (fill, drain)
@@ -228,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="image size of the split table (default 128; quick 40)")
     p.add_argument("--batch_size", type=int, default=None, help="images per batch (default 16; quick 4)")
     p.add_argument("--num_batches", type=int, default=None, help="timed batches per run (default 3; quick 1)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="batches first in every run, which the meters leave out (set-up slows them)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed steps of each single-process reference (default 3; quick 1)")
     p.add_argument("--num_classes", type=int, default=None, help="default 1000 (quick 10)")
@@ -255,14 +249,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             setattr(args, flag, quick if args.quick else full)
     # under this script's flag names (the example's check_args below would name its own)
     check_at_least(parser, 1, {f"--{flag}": getattr(args, flag) for flag in (
-        "sizes", "sweep_splits", "table_size", "batch_size", "num_batches", "reps", "num_classes",
+        "sizes", "sweep_splits", "table_size", "batch_size", "num_batches", "warmup", "reps", "num_classes",
         "user_threads", "pp_threads")})
     # smallest images first: a row's peak memory is its own unless a smaller one needed more
     configs = sorted({(s, args.sweep_splits) for s in args.sizes}
                      | {(args.table_size, m) for m in args.splits})
-    base = ["--batch_size", str(args.batch_size), "--num_batches", str(args.num_batches),
-            "--warmup", "1", "--seed", str(args.seed), "--num_classes", str(args.num_classes),
-            "--device", "cpu"]
+    # each run trains --warmup + --num_batches batches; the meters leave the first --warmup out
+    base = ["--batch_size", str(args.batch_size), "--num_batches", str(args.warmup + args.num_batches),
+            "--seed", str(args.seed), "--num_classes", str(args.num_classes), "--device", "cpu"]
     # every engine's job and the configurations it can run, checked by the example's check_args
     plans = []  # (label, engine, processes, extra flags, configs)
     if "rpc" in args.engine:
@@ -292,7 +286,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"# engines: {', '.join(f'{label} ({procs} processes)' for label, _, procs, _, _ in jobs)}; "
           f"references: 1 process with 1 thread (seq) and with {user_threads} threads (user); "
           f"batches of {args.batch_size} images, {args.num_classes} classes; {args.num_batches} "
-          f"timed batches per run after 1 warm-up, {args.reps} timed steps per reference after 1")
+          f"timed batches per run after {args.warmup} warm-up, {args.reps} timed steps per reference after 1")
     start = time.perf_counter()
     threads = torch.get_num_threads()
     sizes = sorted({s for s, _ in configs})
@@ -307,7 +301,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # spawn), or a waiting rank's threads spin on the shared cores
         passive = job_args.threads is not None and job_args.threads > 1
         with mock.patch.dict(os.environ, {"OMP_WAIT_POLICY": "PASSIVE"} if passive else {}):
-            runs = distkit.launch(functools.partial(bench_worker, engine, cfgs), job_args)[0]
+            runs = distkit.launch(functools.partial(bench_worker, engine, cfgs, args.warmup), job_args)[0]
         done.append((label, procs, cfgs, runs))
     rows = summarize(done, refs, users, gflops, args)
     print(format_table(HEADER, rows))

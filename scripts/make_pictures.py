@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))  # distkit and the examples
 import distkit  # noqa: E402
 from distkit.args import path  # noqa: E402
 import stagetrace  # noqa: E402
-from resnet_meters import steady_malloc  # noqa: E402
+from resnet_meters import batch_windows, steady_malloc  # noqa: E402
 
 PARITY = ("rpc_rl_parity.png", "ddp_rpc_parity.png", "rpc_rnn_parity.png", "rpc_pipeline_resnet_parity.png",
           "pipelining_transformer_parity.png")
@@ -203,9 +203,8 @@ def rpc_pipeline_resnet(quick: bool) -> Curves:
     import test_resnet_two_pipelines as two  # its sizes, seeds, learning rate and one-process training
     from rpc_pipeline_resnet.main import run_worker
 
-    batches = 3 if quick else 8
-    # COMMON's one warm-up batch and batches - 1 more: run_master returns every batch's loss
-    args = example_args("rpc_pipeline_resnet.main", *two.COMMON, "--num_batches", str(batches - 1),
+    batches = 3 if quick else 8  # run_master returns every batch's loss
+    args = example_args("rpc_pipeline_resnet.main", *two.COMMON, "--num_batches", str(batches),
                         "--splits", str(RESNET_PARITY_SPLITS), "--device", "cpu")
     run = distkit.launch(run_worker, args)[0][0]  # the master's one run
     return Curves(f"rpc_pipeline_resnet: ResNet50 in two shards over RPC, {RESNET_PARITY_SPLITS} micro-batches "
@@ -289,18 +288,19 @@ def _take_shard_spans() -> list[tuple]:
     return spans
 
 
-def _no_hook(model: Any, i: int) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
+class _Marks:
+    """A window of ``batch_windows`` (scripts/resnet_meters.py, as the benchmark's meters): each batch's
+    start and end on the shared clock."""
 
+    def __init__(self) -> None:
+        self.marks: list[tuple[float, float]] = []
 
-@contextlib.contextmanager
-def _marking(on_batch: Callable, marks: list[tuple[float, float]], model: Any, i: int) -> Iterator[None]:
-    """``on_batch`` (the example's), and this batch's start and end on the shared clock."""
-    with on_batch(model, i):
-        start = stagetrace.clock()
-        yield
-        marks.append((start, stagetrace.clock()))
-    stagetrace.end_step()
+    def start(self, model: Any) -> None:
+        self._start = stagetrace.clock()
+
+    def end(self) -> None:
+        self.marks.append((self._start, stagetrace.clock()))
+        stagetrace.end_step()
 
 
 def _rpc_resnet_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
@@ -313,10 +313,11 @@ def _rpc_resnet_worker(worker: distkit.Worker, args: argparse.Namespace) -> list
     traces, run_master = [], example.run_master
 
     def traced_run_master(num_split: int, a: argparse.Namespace, devices: list) -> list[float]:
-        marks: list[tuple[float, float]] = []
-        losses = run_master(num_split, a, devices, on_batch=functools.partial(_marking, _no_hook, marks))
+        window = _Marks()
+        with batch_windows(example, window):
+            losses = run_master(num_split, a, devices)
         spans = [s for name in example.WORKERS for s in rpc.rpc_sync(name, _take_shard_spans)]
-        traces.append({"marks": marks, "spans": spans})
+        traces.append({"marks": window.marks, "spans": spans})
         return losses
 
     example.run_master = traced_run_master
@@ -336,10 +337,11 @@ def _pp_resnet_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[
 
     def traced_run_pipeline(num_split: int, a: argparse.Namespace, rank: int, device: torch.device
                             ) -> list[float]:
-        marks: list[tuple[float, float]] = []
-        losses = run_pipeline(num_split, a, rank, device, on_batch=functools.partial(_marking, _no_hook, marks))
+        window = _Marks()
+        with batch_windows(example, window):
+            losses = run_pipeline(num_split, a, rank, device)
         spans, recorder.spans = recorder.spans, []
-        traces.append({"marks": marks, "spans": [astuple(s) for s in spans]})
+        traces.append({"marks": window.marks, "spans": [astuple(s) for s in spans]})
         return losses
 
     example.run_pipeline = traced_run_pipeline
@@ -403,7 +405,7 @@ TIMED_STEPS = {True: 2, False: 5}  # steps (or batches) measured after a first o
 
 
 def _batch(trace: dict, i: int) -> list[stagetrace.Span]:
-    """The compute spans of batch ``i`` of a run (``_marking``'s window on the shared clock)."""
+    """The compute spans of batch ``i`` of a run (``_Marks``' window on the shared clock)."""
     start, end = trace["marks"][i]
     spans = [stagetrace.Span(*t) for t in trace["spans"]]
     return [s for s in spans if start <= s.start < end and s.kind in stagetrace.COMPUTE]
@@ -419,8 +421,9 @@ def rpc_pipeline_resnet_schedules(quick: bool) -> list[Timeline]:
     import test_resnet_two_pipelines as two
 
     batch, image = (two.BATCH, two.IMAGE) if quick else (16, 64)
-    argv = [*two.COMMON, "--batch_size", str(batch), "--image_size", str(image), "--warmup", "1",
-            "--num_batches", str(TIMED_STEPS[quick]), "--splits", str(MICROBATCHES), "--device", "cpu"]
+    # a first batch (median_step leaves it out), then the timed ones
+    argv = [*two.COMMON, "--batch_size", str(batch), "--image_size", str(image),
+            "--num_batches", str(1 + TIMED_STEPS[quick]), "--splits", str(MICROBATCHES), "--device", "cpu"]
     run = distkit.launch(_rpc_resnet_worker, example_args("rpc_pipeline_resnet.main", *argv))[0][0]
     spans = [stagetrace.Span(s.rank, s.kind, s.start, s.end, s.stage, s.microbatch % MICROBATCHES)
              for s in _batch(run, median_step([_batch_seconds(run)]))]  # numbered as they reached the shard

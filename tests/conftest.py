@@ -282,35 +282,43 @@ class Here:
 
 # A pipelining_transformer run's --loss_log, and torchrun's restarted workers.
 def keep_weights(module, loop_name: str) -> list[dict]:
-    """In a spawned rank of rpc_pipeline_resnet: wrap ``module.<loop_name>`` (main.py's
-    ``run_master``, pipelining.py's ``run_pipeline``) so that every run also keeps CPU copies
-    of the weights before its first batch and after its last, beside the example's own
-    ``on_batch``. Returns the list they go to, one ``{"before": [...], "after": [...]}`` a run:
-    each shard's (RPC, on the master), or this rank's stage's, in a list of one."""
-    import contextlib
-
+    """In a spawned rank of rpc_pipeline_resnet: patch ``module`` (main.py, whose loop is
+    ``run_master``; pipelining.py, ``run_pipeline``) so that every run also keeps CPU copies of
+    the weights as its model is built (main.py's ``DistResNet50``, pipelining.py's
+    ``manual_model_split``) and once its loop has returned. Returns the list they go to, one
+    ``{"before": [...], "after": [...]}`` a run: each shard's (RPC, on the master), or this
+    rank's stage's, in a list of one."""
     import torch.distributed.rpc as rpc
 
-    loop, kept = getattr(module, loop_name), []
+    loop, kept, built = getattr(module, loop_name), [], []
 
     def copies(model) -> list[dict]:
         if hasattr(model, "p1_rref"):  # DistResNet50: ask each shard's owner
             return [rpc.rpc_sync(r.owner(), state_copy, args=(r,)) for r in (model.p1_rref, model.p2_rref)]
         return [_cpu_state(model.submod)]  # a PipelineStage
 
-    def kept_loop(*args, on_batch=lambda model, i: contextlib.nullcontext(), **kwargs) -> list[float]:
-        run: dict = {}
+    if loop_name == "run_master":
+        class KeptDistResNet50(module.DistResNet50):
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                built.append((self, copies(self)))
 
-        @contextlib.contextmanager
-        def examples_and_ours(model, i: int):
-            if "before" not in run:
-                run["before"] = copies(model)
-            with on_batch(model, i):
-                yield
-            run["after"] = copies(model)
+        module.DistResNet50 = KeptDistResNet50
+    else:
+        split = module.manual_model_split
 
-        losses = loop(*args, on_batch=examples_and_ours, **kwargs)
-        kept.append(run)
+        def kept_split(*args, **kwargs):
+            stage = split(*args, **kwargs)
+            built.append((stage, copies(stage)))
+            return stage
+
+        module.manual_model_split = kept_split
+
+    def kept_loop(*args, **kwargs) -> list[float]:
+        built.clear()
+        losses = loop(*args, **kwargs)
+        (model, before), = built  # one model a run
+        kept.append({"before": before, "after": copies(model)})
         return losses
 
     setattr(module, loop_name, kept_loop)

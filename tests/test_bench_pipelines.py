@@ -56,6 +56,7 @@ def test_bench_rpc_pipeline_resnet(capsys, tmp_path):
                  if k in r and r[k] > r[b]]
         assert bool(above) == ("ERROR" in r["flag"]), r
         assert len(r["losses"]) == 2  # warm-up + timed batch: the example really trained
+        assert len(r["batch_times"]) == 1  # the meter's windows: one a batch, the warm-up one left out
         assert len(r["peak MB"].split("/")) == r["procs"] and len(r["CPU s/shard"].split("/")) == 2
         if r["engine"] != "rpc":  # the same model, data and micro-batches: the same losses
             rpc = next(x for x in rows if x["engine"] == "rpc" and x["m"] == r["m"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import functools
 import importlib
 import re
@@ -346,9 +347,9 @@ def test_the_sharded_versions_refuse_bad_input_before_launch(module, argv, messa
 
 @pytest.mark.fast
 def test_a_trainer_builds_its_model_on_the_gpu_its_group_is_bound_to(monkeypatch):
-    """On a GPU machine run_worker binds the trainers' group to the trainer's GPU (process_group_args'
-    ``device_id``), and _run_trainer, called by the master in one of RPC's threads, builds its model there:
-    the group's ``bound_device_id``, not the thread's current CUDA device (cuda:0 in every new thread)."""
+    """On a GPU machine run_worker binds the trainers' group to the trainer's GPU (``device_id``), and
+    _run_trainer, called by the master in one of RPC's threads, builds its model there: the group's
+    ``bound_device_id``, not the thread's current CUDA device (cuda:0 in every new thread)."""
     from types import SimpleNamespace
 
     seen = []
@@ -372,12 +373,13 @@ def test_a_trainer_builds_its_model_on_the_gpu_its_group_is_bound_to(monkeypatch
 
 
 @pytest.mark.fast
-def test_a_gpu_members_group_arguments_bind_it_to_its_gpu(monkeypatch):
-    """process_group_args for a member placed on cuda:1 sets that GPU and passes it as ``device_id``
-    (what _run_trainer reads back); for a CPU member, no device_id."""
+def test_a_gpu_trainer_joins_its_group_bound_to_its_gpu(monkeypatch):
+    """run_worker's trainer placed on cuda:1 makes that GPU current and binds its group to it
+    (``device_id``, what _run_trainer reads back) with the agreed NCCL; a CPU trainer binds none."""
+    from ddp_rpc import main as example
     from distkit import device
 
-    class Store:  # the job's store, for the backend agreement of a one-member group
+    class Store:  # the job's store, for the backend agreement of a one-trainer group
         def __init__(self):
             self.data = {}
 
@@ -390,11 +392,24 @@ def test_a_gpu_members_group_arguments_bind_it_to_its_gpu(monkeypatch):
         def get(self, key):
             return self.data[key]
 
-    set_to = []
+    calls, set_to = [], []
+
+    def init_process_group(**kwargs):  # the call as run_worker writes it, then no further
+        calls.append(kwargs)
+        raise RuntimeError("joined")
+
     monkeypatch.setattr(device, "job_store", lambda prefix: Store())
+    monkeypatch.setattr(example.distkit, "job_store", lambda prefix: "the trainers' store")
     monkeypatch.setattr(torch.accelerator, "set_device_index", set_to.append)
-    gpu = distkit.Placement(torch.device("cuda", 1), "nccl")
-    args = distkit.process_group_args("trainers", 0, 1, gpu, store=object())
-    assert args["device_id"] == torch.device("cuda", 1) and set_to == [torch.device("cuda", 1)]
-    cpu = distkit.Placement(torch.device("cpu"), "gloo")
-    assert "device_id" not in distkit.process_group_args("trainers", 0, 1, cpu, store=object())
+    monkeypatch.setattr(example.dist, "init_process_group", init_process_group)
+    args = checked_args("ddp_rpc.main", "--world_size", "3")
+    worker = distkit.Worker(0, 3, 0, 3, "127.0.0.1", 0)
+    for where in (distkit.Placement(torch.device("cuda", 1), "nccl"), distkit.Placement(torch.device("cpu"), "gloo")):
+        monkeypatch.setattr(example, "placement", lambda worker, args, where=where: where)
+        with pytest.raises(RuntimeError, match="joined"):
+            example.run_worker(worker, args)
+    gpu, cpu = calls
+    assert gpu == {"backend": "nccl", "rank": 0, "world_size": 1, "store": "the trainers' store",
+                   "device_id": torch.device("cuda", 1), "timeout": datetime.timedelta(seconds=args.rpc_timeout)}
+    assert set_to == [torch.device("cuda", 1)]
+    assert cpu["backend"] == "gloo" and cpu["device_id"] is None

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import distkit
-from conftest import EXAMPLES, Example, Job, assert_all_gone, module_of
+from conftest import EXAMPLES, Example, Job, assert_all_gone, module_of, run_torchrun
 
 def listening_addresses(pids: list[int]) -> set[str]:
     """Local addresses of the TCP sockets in LISTEN state that ``pids`` hold."""
@@ -261,3 +261,18 @@ def test_non_finite_loss_ends_the_run(name, capfd):
     assert exc.value.code == 1
     err = capfd.readouterr().err
     assert re.search(r"FloatingPointError: the loss is (nan|inf|-inf) at ", err), err
+
+
+@pytest.mark.timeout(300)
+def test_a_ranks_exception_reaches_torchruns_own_summary():
+    """Under torchrun, a rank's exception (a loss that turns non-finite) is in torchrun's failure summary,
+    by PyTorch's ``@record`` around the rank (before: ``error_file: <N/A>``, the traceback on stderr only)."""
+    ex = EXAMPLES["pipelining_transformer"]
+    flags = list(ex.quick[1:])
+    del flags[flags.index("--world_size"):flags.index("--world_size") + 2]  # torchrun's
+    proc = run_torchrun(2, ex.quick[0], *flags, *ex.diverge, "--threads", "1", timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text
+    summary = text[text.index("Root Cause (first observed failure)"):]
+    assert "error_file: <N/A>" not in summary, text
+    assert re.search(r"FloatingPointError: the loss is (nan|inf|-inf) at ", summary), text

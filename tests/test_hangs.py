@@ -186,7 +186,6 @@ def _watchdog_in_process(monkeypatch, store: _Store, rank: int) -> tuple[watchdo
     """Rank ``rank`` of two's watchdog on ``store``, started in this process: its exit ends only the calling
     thread and sets the event; the reports (then the exit status) go to the list."""
     monkeypatch.setattr(watchdog, "connect", lambda timeout: store)
-    monkeypatch.delenv(watchdog.TIMER_FILE, raising=False)
     exited, reports = threading.Event(), []
 
     def fake_exit(status: int) -> None:
@@ -240,6 +239,32 @@ def test_the_watchdog_ends_its_rank_when_the_store_fails(fail_how, monkeypatch):
     assert took < 1.0 + 2 * dog.interval + 1, took  # store bound + the guard's interval + slack
     expected = "the hang watchdog failed" if fail_how == "raises" else "has not answered for"
     assert message.startswith("rank 1: ") and expected in message, message
+
+
+class _FreezesOnReport(_Store):
+    """Answers until the watchdog's report writes its first key, then never again."""
+
+    def set(self, key, value):
+        if "stacked/" in key:
+            self.fail.set()
+        super().set(key, value)
+
+
+def test_a_store_that_freezes_during_the_report_still_leaves_its_line(monkeypatch):
+    """Rank 0 sees its peer fall silent and reports; the store freezes at the report's first write (its
+    host frozen just then). The report's line still reaches the launcher, and the rank exits 1 within the
+    peers' wait, not by the store's bound with its stack alone."""
+    store = _FreezesOnReport("blocks")
+    store.add("distkit/watchdog/alive/1", 1)  # rank 1 started, then stopped
+    monkeypatch.setattr(watchdog, "PEER_WAIT", 0.5)
+    dog, exited, reports = _watchdog_in_process(monkeypatch, store, rank=0)
+    try:
+        dog.tick()
+        assert exited.wait(20), "rank 0 did not end"
+    finally:
+        dog._stop.set()
+    assert store.fail.is_set() and reports[-1] == 1, reports
+    assert len(reports) == 2 and "the job is stuck: rank 1 stopped answering" in reports[0], reports
 
 
 @pytest.mark.timeout(300)

@@ -428,18 +428,16 @@ def test_pipelining_transformer_kill_with_no_restarts_left_fails_both_hosts(host
 # first host with rank 0 and the job's store, its second with rank 1: the pipeline and
 # rpc_rnn (rank 0 the parameter server, an idle RPC server; rank 1 the trainer) under
 # torchrun's static rendezvous, and for a stopped rank also the pipeline under distkit's
-# launcher (--ranks). A host whose only rank is frozen has one thing left to end it: its
-# launcher, distkit.watchdog.TIMER_MARGIN after --hang_timeout: torchrun's agent by its file
-# timer (TORCHELASTIC_ENABLE_FILE_TIMER=1), which each rank's watchdog renews; distkit's by
-# its look at its ranks in /proc.
+# launcher (--ranks). A host whose only rank is stopped waits until it is resumed or killed
+# (docs/failures.md): once the first host's side has ended, the test kills it, as its user would.
 HANG = 5  # --hang_timeout
 HANG_FLAGS = ("--hang_timeout", str(HANG), "--threads", "1")
 PIPELINE_HANG = ("pipelining_transformer/train.py", *TINY_MODEL, "--steps", "100000")
 RNN_HANG = ("rpc_rnn/main.py", "--epochs", "100000", "--batches", "2")
 HANG_READY = {"pipelining_transformer": r"step 2/", "rpc_rnn": r"epoch 2\t"}  # rank 1, under way
 HANG_PORTS = {"rank_stopped": 29460, "second_host_lost": 29470, "first_host_lost": 29480}
-# s from the event to the last of its pair's processes ending: --hang_timeout and the file
-# timer's margin (rank_stopped), the store's bound (first_host_lost), plus a loaded machine
+# s from the event to the last of its pair's processes ending (rank_stopped: of the first host's):
+# --hang_timeout and the peers' wait for stacks, the store's bound (first_host_lost), plus a loaded machine
 HANG_BOUND = 45
 
 
@@ -473,8 +471,7 @@ def _hang_jobs(hosts: list[Host]) -> tuple[list[HangJob], list[tuple[Host, list[
                     cmd = [*argv, "--world_size", "2", "--ranks", str(node), "--master_addr",
                            pair[0].addr, "--master_port", str(port)]
                 found.append(HangJob(case, example, launcher, node))
-                commands.append((host, [*cmd, *HANG_FLAGS],
-                                 {**ifaces, "TORCHELASTIC_ENABLE_FILE_TIMER": "1"}))
+                commands.append((host, [*cmd, *HANG_FLAGS], ifaces))
     return found, commands
 
 
@@ -507,6 +504,7 @@ def test_a_hang_across_hosts_ends_the_job(hosts, tmp_path):
     pair_of = {case: hosts[2 * k:2 * k + 2] for k, case in enumerate(HANG_PORTS)}
     start: dict[str, float] = {}
     took: dict[str, float] = {}
+    stopped: list[int] = []  # the stopped ranks, killed once the first host's side has ended
 
     def watch(launchers: list[int]) -> None:
         for case in HANG_PORTS:
@@ -518,9 +516,15 @@ def test_a_hang_across_hosts_ends_the_job(hosts, tmp_path):
                     if case == "rank_stopped":
                         for j, pid in mine:
                             if j.node == 1:
-                                os.kill(_rank_1_worker(j, pid), signal.SIGSTOP)
+                                stopped.append(_rank_1_worker(j, pid))
+                                os.kill(stopped[-1], signal.SIGSTOP)
                     else:
                         _lose_host(pair_of[case][1 if case == "second_host_lost" else 0])
+            elif case == "rank_stopped" and case not in took:
+                if not any(Path(f"/proc/{pid}").exists() for j, pid in mine if j.node == 0):
+                    took[case] = time.monotonic() - start[case]
+                    for pid in stopped:  # yours to resume or kill
+                        os.kill(pid, signal.SIGKILL)
             elif case not in took and not any(Path(f"/proc/{pid}").exists() for _, pid in mine):
                 took[case] = time.monotonic() - start[case]  # run_on_hosts reaps them
 
@@ -544,10 +548,10 @@ def test_a_hang_across_hosts_ends_the_job(hosts, tmp_path):
             # rank 0 names rank 1 and prints its own stacks
             assert re.search(r"rank 1 (did not answer|stopped answering)", out), text
             assert "[rank 0] stacks (every thread)" in out, text
-        elif job.case == "rank_stopped":  # killed by its launcher, and said so
+        elif job.case == "rank_stopped":  # killed by the test, and its launcher says so
             assert "[rank 1] stacks" not in out, text
             assert ("exitcode  : -9" in out if job.launcher == "torchrun" else
-                    "rank 1 was frozen (no heartbeat" in out), text
+                    "rank 1 died (signal SIGKILL)" in out), text
         elif job.case == "second_host_lost" and job.node == 0:
             assert re.search(r"rank 1 (did not answer|stopped answering)", out), text
         elif job.case == "first_host_lost" and job.node == 1:  # the store's host is lost

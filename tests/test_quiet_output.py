@@ -25,7 +25,7 @@ RUNS = {
     "ddp_rpc": (),  # the default runs, the READMEs' commands: a few seconds of training each
     "rpc_rnn": (),
     "rpc_pipeline_resnet": ("--splits", "1", "2", "--batch_size", "4", "--image_size", "33",
-                            "--num_batches", "1", "--warmup", "0"),
+                            "--num_batches", "1"),
     "pipelining_transformer": ("--steps", "2", "--dim", "32", "--n_heads", "2", "--n_layers", "2",
                                "--vocab_size", "64"),
     # rpc_pipeline_resnet/pipelining.py: tests/test_resnet_two_pipelines.py, its README command

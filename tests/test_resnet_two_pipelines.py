@@ -2,7 +2,7 @@
 train what one process trains.
 
 Each engine runs as ``main()`` launches it (its ``run_worker``, its training loop), over
---splits 1 and 4 in one job, for a warm-up batch and a timed one with SGD; one process then
+--splits 1 and 4 in one job, for two batches with SGD; one process then
 trains the same two shards from the same seeds over the same micro-batches. The losses the
 runs return and log, and both halves' final weights, must agree with ``assert_close``.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import re
 
@@ -30,7 +31,7 @@ from rpc_pipeline_resnet.model import ResNetShard1, ResNetShard2
 BATCH, IMAGE, NUM_CLASSES, LR, SEED = 8, 48, 10, 0.001, 3
 SPLITS = (1, 4)
 COMMON = ("--threads", "1", "--batch_size", str(BATCH), "--image_size", str(IMAGE),
-          "--num_classes", str(NUM_CLASSES), "--warmup", "1", "--num_batches", "1",
+          "--num_classes", str(NUM_CLASSES), "--num_batches", "2",
           "--lr", str(LR), "--seed", str(SEED))
 # One intra-op thread everywhere: BatchNorm over 2-image micro-batches amplifies rounding
 # (another thread count moves the second step's loss by 5 %, measured). What is left differs
@@ -42,14 +43,17 @@ WEIGHT_TOL = {"rtol": 1e-3, "atol": 2e-3}  # two steps apart, as in test_rpc_pip
 def _rpc_worker(worker: distkit.Worker, args: argparse.Namespace):
     """main.py's run_worker, with the shards' weights kept (this process only)."""
     kept = keep_weights(rpc_example, "run_master")
-    runs = rpc_example.run_worker(worker, args)
+    with distkit.profiled(args.trace, f"rank{worker.rank}"):  # as distkit.Job(args, trace=args.trace) runs it
+        runs = rpc_example.run_worker(worker, args)
     return runs and [run | weights for run, weights in zip(runs, kept)]
 
 
 def _pp_worker(worker: distkit.Worker, args: argparse.Namespace):
     """pipelining.py's run_worker, with this rank's stage's weights kept."""
     kept = keep_weights(pp_example, "run_pipeline")
-    return [run | weights for run, weights in zip(pp_example.run_worker(worker, args), kept)]
+    with distkit.profiled(args.trace, f"rank{worker.rank}"):  # as distkit.Job(args, trace=args.trace) runs it
+        runs = pp_example.run_worker(worker, args)
+    return [run | weights for run, weights in zip(runs, kept)]
 
 
 def launch(module, worker, *argv: str) -> tuple[argparse.Namespace, list[dict]]:
@@ -142,7 +146,7 @@ def test_pipelining_trace_has_gpipes_spans_for_every_micro_batch(runs):
     """--trace: each rank's torch.profiler trace holds the spans GPipe itself records, a
     "Forward i" and a "Backward i" per micro-batch per batch, for every split value."""
     args, engine_runs = runs["GPipe"]
-    batches = args.warmup + args.num_batches
+    batches = args.num_batches
     for rank in (0, 1):
         events = json.loads((Path(args.trace) / f"rank{rank}.json").read_text())["traceEvents"]
         names = [e.get("name") for e in events]
@@ -153,7 +157,7 @@ def test_pipelining_trace_has_gpipes_spans_for_every_micro_batch(runs):
                 assert names.count(f"{kind} {i}") == expected, (rank, kind, i)
 
 
-SMALL = ("--batch_size", "4", "--image_size", "32", "--num_batches", "1", "--warmup", "0",
+SMALL = ("--batch_size", "4", "--image_size", "32", "--num_batches", "1",
          "--num_classes", "10", "--splits", "2")
 
 
@@ -181,7 +185,7 @@ def test_the_readme_command_runs_on_this_torch(capsys):
     other scripts); with 1F1B, which wants a micro-batch per stage, 1 is left out with one line."""
     argv = readme_command("rpc_pipeline_resnet/pipelining.py")
     assert "--splits" not in argv, argv  # the default list is what is checked here
-    proc = run_cli(*argv, "--image_size", "32", "--num_batches", "1", "--warmup", "0",
+    proc = run_cli(*argv, "--image_size", "32", "--num_batches", "1",
                    "--num_classes", "10", timeout=180, env={"PYTHONWARNINGS": ""})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if re.search("warn", line, re.I)]
@@ -215,3 +219,36 @@ def test_bad_input_cli_is_one_line_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and BAD_INPUT[0][1] in proc.stderr, proc.stderr
     assert "[rank" not in proc.stdout  # nothing was spawned
+
+
+class _Launched(Exception):
+    """Raised where main() would start the job."""
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("module, loop, params, argv", [
+    (rpc_example, "run_master", ["num_split", "args", "devices"], []),
+    (pp_example, "run_pipeline", ["num_split", "args", "rank", "device"], ["--world_size", "2"])])
+def test_the_tutorial_functions_hold_no_measurement(module, loop, params, argv, tmp_path, monkeypatch):
+    """The loop takes its arguments alone, no hook (the benchmark, the pictures and the tests patch the
+    model and the optimizer from outside: scripts/resnet_meters.py, keep_weights); run_worker starts no
+    profiler; main() hands --trace to distkit.Job, which runs each rank under it."""
+    assert list(inspect.signature(getattr(module, loop)).parameters) == params
+    source = inspect.getsource(module.run_worker)
+    assert "profile" not in source and "record_function" not in source, source
+    given = {}
+
+    class Job:
+        def __init__(self, args: argparse.Namespace, **kwargs) -> None:
+            given.update(kwargs)
+
+        def __enter__(self):
+            raise _Launched()
+
+        def __exit__(self, *exc) -> bool:
+            return False
+
+    monkeypatch.setattr(distkit, "Job", Job)
+    with pytest.raises(_Launched):
+        module.main([*argv, "--trace", str(tmp_path)])
+    assert given == {"trace": str(tmp_path)}
