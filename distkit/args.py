@@ -61,7 +61,8 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc
                    help="ranks this machine runs, for a run over several machines (default: all)")
     if device:
         g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
-                       help="auto uses CUDA (and NCCL) where enough GPUs are visible, else CPU (and gloo)")
+                       help="auto uses CUDA where enough GPUs are visible, else the CPU; a process group, "
+                            "where the example forms one, uses NCCL on CUDA and gloo on the CPU")
     else:
         parser.set_defaults(device="cpu")
     g.add_argument("--threads", type=at_least(1), default=None,

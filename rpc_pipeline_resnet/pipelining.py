@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="GPipe",
                         help="pipeline schedule (both run one stage per rank)")
     # --hang_timeout 60: the longest time without progress in the README's default run was 4.4 s on a loaded 2-core
-    # machine, and a stalled quick start should end with every rank's stack within a minute (issue 45)
+    # machine, and a stalled quick start should end with every rank's stack within a minute
     distkit.add_launch_args(parser, world_size=2, hang_timeout=60)
     # no --splits: check_args takes main.py's list, less what this PyTorch's schedule refuses
     parser.set_defaults(splits=None, default_splits=parser.get_default("splits"))

@@ -152,22 +152,6 @@ def summarize(jobs: list[tuple[str, int, list, list]], refs: dict, users: dict, 
     return rows
 
 
-def targets(rows: list[dict], m: int) -> list[str]:
-    """The issue's targets: pipelining at ``m`` reaches 90 % of the bound, never slower than rpc."""
-    lines = []
-    for r in rows:
-        if r["engine"] != "rpc" and r["m"] == m:
-            lines.append(f"# {r['engine']} {r['image']}px m={m}: {100 * r['eff.']:.1f} % of the "
-                         f"machine's bound ({'met' if r['eff.'] >= 0.9 else 'MISSED'}: >= 90 %; "
-                         f"two stages of one core each: {100 * r['model']:.1f} %)")
-    for engine in dict.fromkeys(r["engine"] for r in rows if "vs rpc" in r):
-        slower = [f"{r['image']}px m={r['m']} ({r['vs rpc']:.2f}x)" for r in rows
-                  if r["engine"] == engine and "vs rpc" in r and r["vs rpc"] < 1]
-        lines.append(f"# {engine} not slower than rpc at every point: "
-                     + ("met" if not slower else "MISSED at " + ", ".join(slower)))
-    return lines
-
-
 def plot(path: str | None, rows: list[dict], sweep_m: int, table_size: int) -> None:
     def draw(axes):
         import matplotlib.pyplot as plt
@@ -189,7 +173,6 @@ def plot(path: str | None, rows: list[dict], sweep_m: int, table_size: int) -> N
             ax2.plot(ms, [r["bound 1"] for r in table], "s--", color=c, alpha=0.6,
                      label=f"{engine}: its bound")
             ax3.plot([r["m"] for r in every], [r["s/batch"] for r in every], "o-", color=c, label=engine)
-        ax1.axhline(90, color="tab:red", ls=":", label="target 90 %")
         ax1.set(ylim=(0, 105), xscale="log", xlabel="work per micro-batch (GFLOP, forward + backward)",
                 ylabel="% of the machine's bound (floor / s per batch)")
         ax1.set_title(f"{sweep_m} micro-batches: share of the bound reached", fontsize=9)
@@ -305,8 +288,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         done.append((label, procs, cfgs, runs))
     rows = summarize(done, refs, users, gflops, args)
     print(format_table(HEADER, rows))
-    for line in targets(rows, args.sweep_splits):
-        print(line)
     print(f"# {time.perf_counter() - start:.0f} s")
     plot(args.plot, rows, args.sweep_splits, args.table_size)
     assert all(math.isfinite(r[k]) for r in rows for k in NUMERIC)

@@ -7,7 +7,7 @@ its batches opens and closes a window: main.py's ``DistResNet50.forward`` opens 
 ``StageMeter`` (pipelining.py) are such windows: wall and CPU seconds per batch, peak memory; the
 pictures' batch marks (scripts/make_pictures.py) are another. ``steady_malloc``: else glibc
 returns freed tensors to the kernel and the next batch page-faults again
-(docs/rpc_pipeline_resnet_benchmark.md, "Why the first run was slow").
+(docs/rpc_pipeline_resnet_benchmark.md, "Benchmark").
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run every example once in its quick CPU configuration (how long: docs/results.md). Stops at the first example that fails. PYTHON overrides
-# the interpreter. Each example's line says how long the run has taken so far, and a run stopped from
-# outside (timeout, Ctrl+C) says where it was: a limit shorter than the whole run once looked like a
-# stalled example (docs/failures.md).
+# Six runs in a quick CPU configuration: the five examples, and rpc_pipeline_resnet's model again with
+# torch.distributed.pipelining (how long: docs/results.md). Stops at the first run that fails. PYTHON
+# overrides the interpreter. Each run's line says how long the script has taken so far, and a script
+# stopped from outside (timeout, Ctrl+C) says where it was: a limit shorter than the whole script
+# looks like a stall (docs/failures.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -21,7 +22,7 @@ now=""
 
 # bash runs a trap once its foreground child is gone; timeout and Ctrl+C signal the examples too
 stopped() {
-    echo "run_examples.sh: stopped from outside ($1) after ${SECONDS} s, in example $n of $TOTAL: $now" >&2
+    echo "run_examples.sh: stopped from outside ($1) after ${SECONDS} s, in run $n of $TOTAL: $now" >&2
     exit "$2"
 }
 trap 'stopped SIGTERM 143' TERM
@@ -42,4 +43,4 @@ run "$PY" rpc_pipeline_resnet/pipelining.py --world_size 2   # the same model, t
 # but torchrun's store listens on every network interface; distkit's launcher listens on
 # loopback only, so a laptop running the quick start opens nothing to the network.
 run "$PY" pipelining_transformer/main.py --world_size 2
-echo; echo "=== all $TOTAL examples ran in ${SECONDS} s"
+echo; echo "=== all $TOTAL runs finished in ${SECONDS} s"

@@ -393,7 +393,7 @@ def workers_round_differently():
     (``ATEN_CPU_CAPABILITY``), so a float32 sum adds in another order, as on a user's
     machine; ranks that share the cores also have fewer intra-op threads than this process.
     A parity test whose tolerance is tuned to this machine's last bits then fails here, not
-    there (issue 32: AVX2 against AVX-512 turned a loss of 0.06872105 into 0.06872070).
+    there (AVX2 against AVX-512 turned a loss of 0.06872105 into 0.06872070).
     ``test_workers_round_differently`` checks that it holds; yields the value set, or None."""
     import torch
 
@@ -498,7 +498,7 @@ def network_hosts(prefix: str, count: int, subnet: str) -> Iterator[list[Host]]:
         _teardown(created)
 
 
-# torch.optim on CUDA (issue 44): an optimizer given no foreach takes the multi-tensor step there
+# torch.optim on CUDA: an optimizer given no foreach takes the multi-tensor step there
 # (torch.optim's docs: "we default to foreach ... when the tensors are all on CUDA"), the
 # one-tensor-at-a-time loop on the CPU. The CPU suite forces CUDA's choice to run that path here.
 def _foreach_as_on_cuda(add_param_group, forced: list):

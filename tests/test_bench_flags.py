@@ -33,7 +33,7 @@ BENCHMARKS = sorted(p.stem for p in (REPO / "scripts").glob("bench_*.py"))
 # per script: (argv, words the error line must hold); every script is listed, even with none
 CASES: dict[str, list[tuple[list[str], str]]] = {
     "bench_pipelining_transformer": [
-        # issue 29: ran 16 s, skipped every configuration and exited 0 with an empty table
+        # before: ran 16 s, skipped every configuration and exited 0 with an empty table
         (["--stage_layers", "bogus"], "argument --stage_layers: a split is even, auto or"),
         (["--stage_layers", "5,x"], "a layer count is a whole or half number"),
         (["--stage_layers", "4.25,3.75"], "a layer count is a whole or half number"),
@@ -48,7 +48,7 @@ CASES: dict[str, list[tuple[list[str], str]]] = {
         (["--world_size", "9", "--schedules", "GPipe", "--microbatches", "8"], "more than --n_layers 8"),
         (["--world_size", "5", "--schedules", "GPipe", "Interleaved1F1B"],
          "--schedules Interleaved1F1B runs in none of the configurations (10 stages for 8 layers)"),
-        # issue 45: nothing fit 9 ranks, and an empty table exited 0
+        # before: nothing fit 9 ranks, and an empty table exited 0
         (["--world_size", "9"], "--world_size 9 runs none of the configurations (18 stages for 8 layers; "
                                 "9 stages for 8 layers)"),
         (["--points", "8x8"], "--points needs --sweep"),
@@ -74,7 +74,7 @@ CASES: dict[str, list[tuple[list[str], str]]] = {
         (["--solve_sizes", "1"], "must be at least 2"),
     ],
     "bench_rpc_rnn": [
-        (["--ranks", "4"], "--ranks needs --versus"),  # issue 45: ignored, and the run went on
+        (["--ranks", "4"], "--ranks needs --versus"),  # before: ignored, and the run went on
         (["--versus", "--ranks", "20"], "--world_size 20 is more ranks than --ntoken"),
     ],
 }

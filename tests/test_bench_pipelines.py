@@ -63,7 +63,6 @@ def test_bench_rpc_pipeline_resnet(capsys, tmp_path):
             assert r["vs rpc"] == pytest.approx(rpc["s/batch"] / r["s/batch"])
             assert r["losses"] == pytest.approx(rpc["losses"], rel=1e-3)
     assert rows[0]["GFLOP/mb"] == pytest.approx(2 * rows[1]["GFLOP/mb"])  # 4 images, then 2
-    assert "% of the machine's bound" in out and "pp GPipe not slower than rpc" in out
     for r in rows:  # two stages of one core each: the busier stage plus one micro-batch of the other
         a, b = sorted(r["shard cpu"])
         assert r["model"] == pytest.approx(r["floor"] / (b + a / r["m"]))

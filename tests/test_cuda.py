@@ -10,7 +10,7 @@ TF32 is switched off, ``NVIDIA_TF32_OVERRIDE=0``, so convolutions are full float
 Every case also runs in the default CPU suite (its ``cpu`` tier, one per test function): the same
 harness reads the same result keys and printed lines of one CPU run, with ``cpu`` where the GPU tier
 expects ``cuda:N``. A key or line the GPU tier reads that the examples no longer give fails there,
-on a machine without a GPU (issue 44: the GPU tier had read a result key that was gone for weeks).
+on a machine without a GPU (the GPU tier had read a result key that was gone for weeks).
 """
 from __future__ import annotations
 

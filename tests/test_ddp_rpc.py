@@ -158,7 +158,7 @@ SHARDED_RUN = ["--world_size", "3", "--epochs", "3", "--batches_per_epoch", "2",
 def test_sharded_trains_what_one_process_trains(optimizer_step, kept_jobs):
     """sharded.py on 3 ranks (100 rows: 34, 33, 33), several epochs: every rank's loss at every step,
     the whole table and fc at the end, as one process computes them. With the optimizer step each device
-    takes by default: the CPU's one tensor at a time (the user's command), CUDA's foreach (issue 44: one
+    takes by default: the CPU's one tensor at a time (the user's command), CUDA's foreach (one
     list of fc's tensors and the table's DTensor crashed there)."""
     if optimizer_step == "cpu_default":
         assert sharded.main(SHARDED_RUN) == 0

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import distkit
 from conftest import REPO, alive, checked_args, refused_before_launch, run_cli, run_torchrun
 
-MAX_LINES = 300  # distkit is the little every example needs, not a framework (issue 20)
+MAX_LINES = 300  # distkit is the little every example needs, not a framework
 
 
 def launch_args(*argv: str, world_size: int = 2) -> argparse.Namespace:
@@ -105,7 +105,7 @@ def imported_packages(package: Path) -> set[str]:
 @pytest.mark.fast
 @pytest.mark.parametrize("name", PACKAGES[1:])
 def test_no_example_imports_another(name):
-    """What one example needs lives in it or in distkit (issue 33): an example can be read,
+    """What one example needs lives in it or in distkit: an example can be read,
     copied or moved alone. distkit imports no example either."""
     assert imported_packages(REPO / "distkit").isdisjoint(PACKAGES[1:])
     others = imported_packages(REPO / name) & (set(PACKAGES[1:]) - {name})

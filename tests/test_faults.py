@@ -64,7 +64,7 @@ def example(request) -> tuple[str, Example]:
 
 # What the launcher does with a killed rank, a signal, or its own death is the same for every
 # script (mp.spawn inside distkit.Job): one RPC job and one process-group job cover it, and
-# their sockets the two kinds of rendezvous (all six examples took about 3 of the suite's minutes)
+# their sockets the two kinds of rendezvous (every example and its twin took about 3 of the suite's minutes)
 LAUNCHER = ["pipelining_transformer", "rpc_rnn"]
 
 
@@ -175,7 +175,7 @@ def test_lost_rpc_peer_times_out_instead_of_hanging():
     # --rpc_timeout from their options alone: test_rpc_examples_have_a_bounded_rpc_timeout
     ex = EXAMPLES["ddp_rpc"]
     # --rpc_timeout bounds every RPC, the set-up's too: 5 s failed DistributedOptimizer's construction on a
-    # loaded 2-core machine, before any rank was stopped (issue 45); it took 1.8-3.1 s with the whole suite
+    # loaded 2-core machine, before any rank was stopped; it took 1.8-3.1 s with the whole suite
     # running beside it (measured). 20 s leaves that set-up 6x; the wait on the stopped trainer is bounded all the same
     job = Job((*ex.argv, "--rpc_timeout", str(LOST_PEER_RPC_TIMEOUT)))
     try:

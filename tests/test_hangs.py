@@ -1,4 +1,4 @@
-"""No silent hang (issue 21): a job that stops making progress ends within --hang_timeout plus
+"""No silent hang: a job that stops making progress ends within --hang_timeout plus
 a margin, naming the rank that stopped (or saying that all of them wait on each other), with
 the Python stack of every rank that can still answer, and leaves no process behind.
 
@@ -140,7 +140,7 @@ def hang_timeout_of(argv: list[str]) -> float:
 
 
 def test_every_quick_start_command_ends_a_stall_within_a_minute():
-    """A stalled quick start ends on its own, with every rank's stack, within about a minute (issue 45);
+    """A stalled quick start ends on its own, with every rank's stack, within about a minute;
     each default chosen from the longest time without progress in the largest command its README
     documents, measured on a loaded 2-core machine (docs/failures.md)."""
     script = (REPO / "scripts" / "run_examples.sh").read_text()

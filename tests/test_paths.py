@@ -1,6 +1,6 @@
 """Every flag that names a file or a directory is checked before any process starts.
 
-A run must never train and then fail on a path (issue 23): for each example and benchmark,
+A run must never train and then fail on a path: for each example and benchmark,
 and each path flag, a file where a directory is wanted (or as its parent), a file to read that
 is missing or a directory, and a place that cannot be written are each refused in one line
 with exit status 2, through the same ``main()`` a user runs, before ``distkit.launch``.

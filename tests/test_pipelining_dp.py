@@ -142,7 +142,7 @@ def test_dp_x_pp_step_equals_single_process(world_size, dp_size, schedule, split
 @pytest.mark.parametrize("optimizer", [SGD, ("--optimizer", "adamw", "--lr", "3e-3")])
 def test_sharded_replicas_step_as_on_cuda(optimizer):
     """FSDP2's DTensor parameters (--dp_size 2), stepped by pipelining's SGD and AdamW as on CUDA by
-    default (foreach: issue 44), end the step with one process's weights."""
+    default (foreach), end the step with one process's weights."""
     args = make_args(*TINY, *optimizer, "--world_size", "2", "--dp_size", "2", "--steps", "1", "--threads", "1")
     args.runs = [("GPipe", "manual")]
     results = distkit.launch(functools.partial(on_cuda_optimizer_path, _dp_worker), args)

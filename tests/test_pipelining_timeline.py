@@ -105,7 +105,7 @@ def test_stagetrace_wraps_only_names_this_torch_has():
 
 @pytest.mark.fast
 def test_no_private_attribute_is_assigned_outside_stagetrace():
-    """One module to re-check on a new torch (issue 33): ``obj._name = ...`` (not on self or cls) or
+    """One module to re-check on a new torch: ``obj._name = ...`` (not on self or cls) or
     ``setattr(obj, "_name", ...)`` anywhere else in distkit, the examples or scripts fails here."""
     found = []
     for path in sorted(REPO.glob("*/*.py")):

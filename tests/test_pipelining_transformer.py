@@ -226,7 +226,7 @@ def test_uneven_stage_layers_step_equals_single_process(split):
     args = tiny_args(2, "--split", split)
     args.runs = [(schedule, split, layers if layers == "auto" else tuple(float(n) for n in layers))
                  for schedule, layers, _ in UNEVEN]
-    # with the SGD step CUDA takes by default (foreach), which the CPU does not (issue 44)
+    # with the SGD step CUDA takes by default (foreach), which the CPU does not
     results = distkit.launch(functools.partial(on_cuda_optimizer_path, _equivalence_worker), args)
     for run, (_, _, owners) in zip(args.runs, UNEVEN):
         per_rank = [results[rank][run] for rank in (0, 1)]

@@ -3,7 +3,7 @@
 Each example's own run is tested beside its README (test_quiet_output.py and the examples'
 tests); here, the script around them: every command it runs is one its example accepts, it
 says how long the run has taken at each example, and a run stopped from outside says where it
-was. Issue 45's "stall" of the quick start was a 150 s limit around the whole script, which
+was. A "stall" of the quick start once reported was a 150 s limit around the whole script, which
 takes about 2 1/4 minutes on 2 idle cores: the examples were still computing when it was cut
 (docs/failures.md).
 """
@@ -52,7 +52,7 @@ def test_every_command_of_the_quick_start_runs_and_is_timed(tmp_path):
         # each command's flags are its example's: a renamed flag fails here, not on a user's machine
         module = importlib.import_module(argv[0].removesuffix(".py").replace("/", "."))
         module.build_parser().parse_args(argv[1:])
-    assert re.search(rf"^=== all {len(commands)} examples ran in \d+ s$", proc.stdout, re.M), proc.stdout
+    assert re.search(rf"^=== all {len(commands)} runs finished in \d+ s$", proc.stdout, re.M), proc.stdout
 
 
 def test_a_quick_start_stopped_from_outside_says_where_it_was(tmp_path):
@@ -63,7 +63,7 @@ def test_a_quick_start_stopped_from_outside_says_where_it_was(tmp_path):
     os.killpg(proc.pid, signal.SIGTERM)  # as `timeout` does: the script and the example it runs
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 143, (out, err)
-    assert re.search(rf"run_examples.sh: stopped from outside \(SIGTERM\) after \d+ s, in example 1 of \d+: "
+    assert re.search(rf"run_examples.sh: stopped from outside \(SIGTERM\) after \d+ s, in run 1 of \d+: "
                      rf"{re.escape(str(fake))} rpc_rl/main.py", err), err
 
 

@@ -76,7 +76,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[argparse.Namespace, list[dict]]]:
         "rpc": launch(rpc_example, _rpc_worker, "--splits", *splits),
         "GPipe": launch(pp_example, _pp_worker, "--world_size", "2", "--splits", *splits,
                         "--trace", str(tmp_path_factory.mktemp("trace"))),
-        # with the SGD step CUDA takes by default (foreach), which the CPU does not (issue 44)
+        # with the SGD step CUDA takes by default (foreach), which the CPU does not
         "1F1B": launch(pp_example, functools.partial(on_cuda_optimizer_path, _pp_worker), "--world_size", "2",
                        "--splits", str(SPLITS[-1]), "--schedule", "1F1B"),
     }

@@ -56,7 +56,7 @@ def _finish_episode_worker(worker: distkit.Worker, args: argparse.Namespace) -> 
 def _assert_agent_took_this_step(out: dict, ref: Policy, loss: torch.Tensor) -> None:
     """The agent's loss is ``loss`` (computed here on ``ref``, the policy before the
     update), and its policy after the update is ``ref`` after one Adam step on it."""
-    # float32 sums, added in another order in the agent's process (issue 32)
+    # float32 sums, added in another order in the agent's process
     torch.testing.assert_close(out["loss"], loss.item(), **FLOAT32)
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     loss.backward()

@@ -156,7 +156,7 @@ def test_run_trainer_matches_single_process_training():
 
     # sharded.py from the same flags on 3 ranks (7 rows and columns: 3, 2, 2): the RPC version's
     # initial weights, and over the whole run its losses and one process's weights. With the optimizer
-    # step the CPU takes by default, and CUDA's (foreach; issue 44: the LSTM's tensors and the DTensors in
+    # step the CPU takes by default, and CUDA's (foreach; the LSTM's tensors and the DTensors in
     # one list crashed there)
     sharded_args = checked_args("rpc_rnn.sharded", *SMALL_RUN, "--dropout", "0", "--world_size", "3")
     for run_worker in (keeping_sharded_weights, functools.partial(on_cuda_optimizer_path, keeping_sharded_weights)):

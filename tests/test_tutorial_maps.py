@@ -192,12 +192,19 @@ TUTORIAL_LINES = {"pipelining_transformer": PIPELINING_TUTORIAL, "ddp_rpc": DDP_
                   "rpc_pipeline_resnet": RPC_PIPELINE_RESNET_TUTORIAL}
 
 
+def differences(readme: Path) -> list[str]:
+    """The "What differs" sections of an example: its README's, and its docs page's, where the
+    differences a learner would not trip over are told (``docs/<example>.md``)."""
+    pages = [readme, readme.parent.parent / "docs" / f"{readme.parent.name}.md"]
+    texts = [page.read_text() for page in pages if page.is_file()]
+    return [text.split(DIFFERS, 1)[1].split("\n## ", 1)[0] for text in texts if DIFFERS in text]
+
+
 def uncovered(readme: Path, lines: list[tuple[str, str]]) -> list[str]:
     """The tutorial lines whose covering text is in neither the step map nor "What differs"."""
     text = readme.read_text()
-    sections = [text.split(heading, 1)[1].split("\n## ", 1)[0] for heading in (HEADING, DIFFERS)
-                if heading in text]
-    flat = " ".join(" ".join(s.split()) for s in sections)  # prose wraps: compare word by word
+    sections = [text.split(HEADING, 1)[1].split("\n## ", 1)[0]] if HEADING in text else []
+    flat = " ".join(" ".join(s.split()) for s in sections + differences(readme))  # prose wraps: word by word
     return [line for line, cover in lines if " ".join(cover.split()) not in flat]
 
 
@@ -312,8 +319,7 @@ def name_problems(readme: Path, names: list) -> list[str]:
     other parameters or values) while "What differs" never names them in backticks."""
     files = sorted({readme.parent / rel for _, rel, _ in map_rows(readme)})
     defs, found = code_shapes(files)
-    text = readme.read_text()
-    spans = NAME.findall(text.split(DIFFERS, 1)[1].split("\n## ", 1)[0] if DIFFERS in text else "")
+    spans = NAME.findall("\n".join(differences(readme)))
     problems = []
     for entry in names:
         kind, shape, name = tutorial_name(entry)
@@ -351,3 +357,15 @@ def test_a_renamed_function_without_a_difference_fails(tmp_path):
     readme.write_text(readme.read_text() + "- **`run_worker(worker, args)`**, not `run_worker(rank, world_size)`.\n"
                       "- `NUM` is 4.\n")
     assert name_problems(readme, names) == []
+
+
+def test_a_difference_told_on_the_docs_page_covers_a_tutorial_line(tmp_path):
+    """A difference moved from the README to ``docs/<example>.md``'s "What differs" still covers its line."""
+    readme = tmp_path / "ex" / "README.md"
+    readme.parent.mkdir()
+    (tmp_path / "docs").mkdir()
+    readme.write_text(f"# x\n\n{HEADING}\n\n| step | code | where |\n|---|---|---|\n\n{DIFFERS}\n\n- nothing\n")
+    lines = [("model.to(device)", "`model.to(device)`")]
+    assert uncovered(readme, lines) == ["model.to(device)"]
+    (tmp_path / "docs" / "ex.md").write_text(f"# ex\n\n{DIFFERS}\n\n- **`model.to(device)`** moves it.\n\n## Next\n")
+    assert uncovered(readme, lines) == []
