@@ -14,8 +14,8 @@ from .rendezvous import job_store, process_group_store
 from .worker import Worker, exit_now, exit_process, quiet_distributed_optimizer
 
 __all__ = [
-    "ArgumentParser", "Job", "Placement", "Worker", "add_launch_args", "agreed_backend", "backend_for", "check_finite",
-    "check_launch_args", "check_placements", "exit_now", "exit_process", "gpu_count", "group_placement",
-    "job_store", "launch", "local_workers", "parse_ranks", "pick_device",
+    "ArgumentParser", "Job", "Placement", "Worker", "add_launch_args", "agreed_backend", "backend_for",
+    "check_finite", "check_launch_args", "check_placements", "exit_now", "exit_process", "gpu_count",
+    "group_placement", "job_store", "launch", "local_workers", "parse_ranks", "pick_device",
     "process_group_store", "profiled", "quiet_distributed_optimizer", "threads_per_process",
 ]

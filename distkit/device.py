@@ -7,6 +7,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 

@@ -33,10 +33,11 @@ def profiled(directory: str | None, name: str) -> Iterator[None]:
 
 
 def traced(fn: Callable[[Any, argparse.Namespace], Any], directory: str | None) -> Callable[..., Any]:
-    """``fn(worker, args)``, a rank's function, profiled whole from outside it (``distkit.Job(args, trace=DIR)``)."""
+    """``fn(worker, args)``, a rank's function, profiled whole from outside it (``Job(args, trace=DIR)``)."""
     return fn if directory is None else functools.partial(_traced, fn, directory)
 
 
-def _traced(fn: Callable[[Any, argparse.Namespace], Any], directory: str, worker: Any, args: argparse.Namespace) -> Any:
+def _traced(fn: Callable[[Any, argparse.Namespace], Any], directory: str, worker: Any,
+            args: argparse.Namespace) -> Any:
     with profiled(directory, f"rank{worker.rank}"):
         return fn(worker, args)
