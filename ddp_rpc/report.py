@@ -79,7 +79,8 @@ class MasterReport:
 def wait_for_trainers(futs: list[torch.futures.Future], names: list[str], timeout: float) -> list:
     """What every trainer's ``_run_trainer`` returned; raise as soon as one fails, or hangs (hung, not
     dead, it would leave a ``timeout=0`` RPC waiting forever): each trainer still training must answer
-    a no-op RPC every second, which fails after ``timeout`` seconds."""
+    a no-op RPC every second, which fails after ``timeout`` seconds. Each answer is the master's
+    progress (``distkit.ping``): it only waits, and --hang_timeout measures the trainers' answers."""
     changed = threading.Event()
     for fut in futs:
         fut.add_done_callback(lambda _: changed.set())
@@ -90,7 +91,7 @@ def wait_for_trainers(futs: list[torch.futures.Future], names: list[str], timeou
             if fut.done():
                 fut.wait()  # raises that trainer's error, if it had one
             else:
-                rpc.rpc_sync(name, time.monotonic, timeout=timeout)
+                distkit.ping(name, timeout)
     return [fut.wait() for fut in futs]
 
 

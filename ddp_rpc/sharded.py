@@ -3,12 +3,15 @@ sharded row-wise over every rank with DTensor (``DeviceMesh`` + ``parallelize_mo
 as in the tutorial, a local ``torch.optim.SGD`` on every rank. Every rank is a trainer and holds 1/N of
 the table's rows: no master, no parameter server, no RPC. Rank r trains on trainer r's batches of main.py.
 
-    torchrun --nproc_per_node 2 ddp_rpc/sharded.py      # or: python ddp_rpc/sharded.py --world_size 2
+    python ddp_rpc/sharded.py --world_size 2            # mp.spawn starts the processes
+    torchrun --nproc_per_node 2 ddp_rpc/sharded.py      # or torchrun does, one rank each
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import time
 
 import torch
@@ -16,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -42,9 +46,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     distkit.check_placements(parser, args, placement)
 
 
-def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+def placement(rank: int, args: argparse.Namespace) -> distkit.Placement:
     """A GPU of its own per rank and NCCL, or every rank on the CPU with gloo."""
-    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
+    return distkit.group_placement(args.device, distkit.local_rank(rank), distkit.local_world_size(args))
 
 
 def pad_bags(indices: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,13 +108,16 @@ def train(model: ShardedHybridModel, rank: int, config: TrainConfig) -> TrainerR
     return report.finish(model)
 
 
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    """Every rank: join the group, build its share of the model, train; rank 0 returns the summary."""
-    rank, world_size = worker.rank, worker.world_size
-    where = placement(worker, args)
-    # the backend every rank agreed on; under torchrun, a store of this restart's own
-    dist.init_process_group(backend=distkit.agreed_backend("ranks", rank, world_size, where), rank=rank,
-                            world_size=world_size, store=distkit.process_group_store(), device_id=where.device_id)
+def run_worker(rank: int, args: argparse.Namespace) -> None:
+    """Every rank: join the group, build its share of the model, train; rank 0 leaves the summary for main()."""
+    distkit.start_rank(rank, args)  # beyond the tutorial: log prefix, threads, hang bound (distkit/rank.py)
+    world_size = args.world_size
+    where = placement(rank, args)
+    if where.device_id is not None:  # this rank's GPU, made current
+        torch.accelerator.set_device_index(where.device_id)
+    backend = where.backend
+    # env:// rendezvous: MASTER_ADDR and MASTER_PORT, the store of mp.spawn's launcher or of torchrun's agent
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, device_id=where.device_id)
     mesh = init_device_mesh(where.device.type, (world_size,))
     config = TrainConfig(args.epochs, args.batches_per_epoch, args.batch_size, args.lr, args.seed)
     # the weights main.py draws with as many trainers: the table as its parameter server (rank N+1), fc
@@ -127,26 +134,24 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
     reports = [None] * world_size if rank == 0 else None
     dist.gather_object(report, reports, dst=0)
     dist.destroy_process_group()
-    if rank != 0:
-        return None
-    # the keys of main.py's summary: print_summary prints it the same way
-    return {"trainers": reports, "emb_before": emb_before, "emb_after": emb_after, "seconds": seconds,
-            "config": config}
+    if rank == 0:
+        # the keys of main.py's summary: print_summary prints it the same way
+        distkit.save_result(rank, {"trainers": reports, "emb_before": emb_before, "emb_after": emb_after,
+                                   "seconds": seconds, "config": config})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # as the other examples: torchrun starts one process per rank; without it, mp.spawn starts --world_size
-    with distkit.Job(args) as job:
-        if job.torchrun:
-            job.run(run_worker, args)
-        else:
-            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
-    summary = job.results.get(0)  # None: rank 0 ran on another machine
+    if distkit.under_torchrun():  # torchrun started this process as one rank: run it
+        record(run_worker)(int(os.environ["RANK"]), args)
+    else:
+        distkit.prepare_spawn()  # a free port, a folder for rank 0's summary
+        mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)
+    summary = distkit.results().get(0)  # None: under torchrun, not rank 0
     return 0 if summary is None or print_summary(summary) else 1
 
 
 if __name__ == "__main__":
-    distkit.exit_process(main())
+    sys.exit(main())

@@ -1,21 +1,19 @@
-"""The little every example needs: launching, rendezvous, devices, logging and cleanup.
-
-Modules, each importing only those listed before it: rendezvous (the job's store), device
-(device and backend per rank), watchdog (--hang_timeout), worker (what runs inside every rank),
-profiling (--trace), launch (``Job``, beside ``mp.spawn``), args (the shared flags and their
-checks), schedules (the pipelining schedules, for both pipeline examples; imported on its own).
+"""Only what PyTorch does not give the examples: their shared flags and one-line refusals (args), the
+device of each rank (device), what each rank sets up for itself and how it ends (rank), what the
+launcher prepares around the tutorial's ``mp.spawn`` and the tests' in-process launcher (launch),
+``--trace`` (profiling), and the pipelining schedules' checks (schedules, imported on its own).
+Modules import only those listed before them: device, profiling, rank, launch, args.
 The distributed logic of each tutorial stays in its own package."""
-from .args import ArgumentParser, add_launch_args, check_finite, check_launch_args, check_placements
-from .device import (Placement, agreed_backend, backend_for, gpu_count, group_placement, pick_device,
-                     threads_per_process)
-from .launch import Job, launch, local_workers, parse_ranks
+from .args import ArgumentParser, add_launch_args, check_finite, check_launch_args, check_placements, srun_problem
+from .device import Placement, gpu_count, group_placement, pick_device, threads_per_process
+from .launch import launch, prepare_spawn, results, save_result
 from .profiling import profiled
-from .rendezvous import job_store, process_group_store
-from .worker import Worker, exit_now, exit_process, quiet_distributed_optimizer
+from .rank import (exit_now, local_rank, local_world_size, ping, progress, quiet_distributed_optimizer, start_rank,
+                   under_torchrun, wait_on)
 
 __all__ = [
-    "ArgumentParser", "Job", "Placement", "Worker", "add_launch_args", "agreed_backend", "backend_for",
-    "check_finite", "check_launch_args", "check_placements", "exit_now", "exit_process", "gpu_count",
-    "group_placement", "job_store", "launch", "local_workers", "parse_ranks", "pick_device",
-    "process_group_store", "profiled", "quiet_distributed_optimizer", "threads_per_process",
+    "ArgumentParser", "Placement", "add_launch_args", "check_finite", "check_launch_args", "check_placements",
+    "exit_now", "gpu_count", "group_placement", "launch", "local_rank", "local_world_size", "pick_device",
+    "ping", "prepare_spawn", "profiled", "progress", "quiet_distributed_optimizer", "results", "save_result",
+    "srun_problem", "start_rank", "threads_per_process", "under_torchrun", "wait_on",
 ]

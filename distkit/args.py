@@ -11,9 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .device import DEVICE_CHOICES, DeviceError, Placement
-from .launch import local_workers, parse_ranks
-from .worker import Worker
-from .rendezvous import is_loopback, srun_problem, under_torchrun
+from .rank import under_torchrun
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -43,7 +41,7 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc
     g = parser.add_argument_group("launch")
     derived = isinstance(hang_timeout, str)
     g.add_argument("--hang_timeout", type=seconds, default=None if derived else hang_timeout, metavar="S",
-                   help="end the job, with every rank's stack, when no rank has made progress "
+                   help="end the job, with its stacks, when a rank has made no progress "
                         "(a module's forward, an optimizer step) for S seconds; 0: never"
                         + (f" (default: {hang_timeout})" if derived else ""))
     if rpc_timeout is not None:
@@ -53,12 +51,6 @@ def add_launch_args(parser: argparse.ArgumentParser, world_size: int | None, rpc
                    help=f"number of processes in the job (default: {world_size or 'required'}; "
                         "under torchrun: torchrun's)")
     parser.set_defaults(default_world_size=world_size)  # torchrun's WORLD_SIZE wins over it, not the flag
-    g.add_argument("--master_addr", default=None,
-                   help="address of the machine running rank 0 (default: 127.0.0.1, this machine)")
-    g.add_argument("--master_port", type=port, default=None,
-                   help="rendezvous port on the master (default: a free one chosen by the OS)")
-    g.add_argument("--ranks", default=None, metavar="A-B",
-                   help="ranks this machine runs, for a run over several machines (default: all)")
     if device:
         g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                        help="auto uses CUDA where enough GPUs are visible, else the CPU; a process group, "
@@ -87,17 +79,6 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--world_size must be at least {min_world_size}, got {args.world_size}")
     if max_world_size is not None and args.world_size > max_world_size:
         parser.error(f"--world_size must be at most {max_world_size}, got {args.world_size}")
-    try:
-        ranks = parse_ranks(args.ranks, args.world_size)
-    except ValueError as e:
-        parser.error(str(e))
-    if len(ranks) < args.world_size:  # ranks on other machines
-        if args.master_addr is None or (0 not in ranks and args.master_port is None):
-            parser.error("a job over several machines (--ranks) needs --master_addr, the address of the "
-                         "machine that runs rank 0, and on the other machines --master_port")
-        if is_loopback(args.master_addr):  # Debian names its own host 127.0.1.1 in /etc/hosts
-            parser.error(f"--master_addr {args.master_addr} resolves to a loopback address, which the other "
-                         f"machines cannot reach: give rank 0's machine's address on the network")
 
 
 def _checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
@@ -120,7 +101,6 @@ def up_to(high: float) -> Callable[[str], float]:
 
 
 positive = _checked(float, lambda v: 0 < v < math.inf, "a positive number")  # nan or inf: an unbounded wait
-port = _checked(int, lambda v: 0 < v < 65536, "in 1..65535")
 probability = _checked(float, lambda v: 0 <= v < 1, "in [0, 1)")
 seconds = _checked(float, lambda v: 0 <= v < math.inf, "0 (never) or a positive number")
 
@@ -145,13 +125,28 @@ def check_finite(loss: float, where: str) -> float:
 
 
 def check_placements(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                     placement: Callable[[Worker, argparse.Namespace], Placement]) -> None:
-    """``placement(worker, args)`` of every local process before any starts: a refusal is exit 2."""
-    for worker in local_workers(args):
+                     placement: Callable[[int, argparse.Namespace], Placement]) -> None:
+    """``placement(rank, args)`` of every rank this process starts (under torchrun: its own), before
+    any starts: a device this machine cannot give is one line and exit 2, as a bad flag is."""
+    ranks = [int(os.environ["RANK"])] if under_torchrun() else range(args.world_size)
+    for rank in ranks:
         try:
-            placement(worker, args)
+            placement(rank, args)
         except DeviceError as e:
             parser.error(str(e))
+
+
+def srun_problem(script: str) -> str | None:
+    """Why this process, one of an ``srun`` step's several tasks outside torchrun, cannot run ``script``
+    (each would be a whole job of its own), with the command that works; None elsewhere (``srun -n 1``,
+    an sbatch script's own shell: its SLURM_NTASKS is no step's)."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    if under_torchrun() or tasks == "1":
+        return None
+    return (f"srun started {tasks} tasks of {script} (SLURM_STEP_NUM_TASKS={tasks}), and each would run a job of its "
+            f"own: start one torchrun per node instead, `srun --ntasks-per-node 1 .venv/bin/torchrun --nnodes "
+            f"$SLURM_NNODES --nproc_per_node N --rdzv_backend c10d --rdzv_endpoint FIRST_NODE:PORT {script}`, "
+            f"as scripts/slurm/train.sbatch does (docs/multi_host.md)")
 
 
 def path_problem(path: str, kind: str) -> str | None:

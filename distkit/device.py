@@ -1,17 +1,14 @@
 """Device, backend and thread choices that work unchanged on a laptop CPU and a GPU node: ``pick_device``
-for an RPC-only rank, ``group_placement`` and ``agreed_backend`` for a process group's members."""
+for an RPC-only rank, ``group_placement`` for a process group's members."""
 from __future__ import annotations
 
 import logging
 import os
-import socket
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .rendezvous import STORE_TIMEOUT, job_store, restart_key
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 NO_GPU = "--device cuda was asked for, but no CUDA device is visible on this machine"
@@ -72,34 +69,6 @@ def group_placement(preference: str, local_index: int, local_members: int) -> Pl
             f"{n} GPU(s) for {local_members} processes of the group on this machine: NCCL needs one each, "
             f"so the group runs on the CPU with gloo")
     return Placement(torch.device("cpu"), "gloo")
-
-
-def agreed_backend(group: str, rank: int, world_size: int, placement: Placement) -> str | None:
-    """``placement``'s backend, for ``dist.init_process_group(backend=...)``, once every member of ``group``
-    has chosen the same: a ``DeviceError`` naming each machine where ``auto`` found GPUs on one only, not a
-    hang inside ``init_process_group``. On a GPU, it also makes this rank's GPU the current one."""
-    seen = job_store(f"distkit/placement/{group}/{restart_key()}")  # a torchrun restart's own keys
-    seen.set(str(rank), f"{socket.gethostname()}|{gpu_count()}|{placement.device}|{placement.backend}")
-    keys = [str(r) for r in range(world_size)]
-    seen.wait(keys, STORE_TIMEOUT)
-    if problem := backend_disagreement([seen.get(k).decode().split("|") for k in keys]):
-        raise DeviceError(problem)
-    if placement.device_id is not None:
-        torch.accelerator.set_device_index(placement.device_id)
-    return placement.backend
-
-
-def backend_disagreement(seen: Sequence[Sequence[str]]) -> str | None:
-    """The one-line error for members' ``(host, gpus, device, backend)``, or None if they agree."""
-    if len({backend for *_, backend in seen}) <= 1:
-        return None
-    machines: dict[tuple[str, ...], list[str]] = {}
-    for rank, (host, gpus, _, backend) in enumerate(seen):
-        machines.setdefault((host, gpus, backend), []).append(str(rank))
-    what = "; ".join(f"{host} sees {gpus} GPU(s) -> {backend} (rank{'s' * (len(ranks) > 1)} {','.join(ranks)})"
-                     for (host, gpus, backend), ranks in machines.items())
-    return (f"the machines of this job chose different backends for one process group: {what}; every "
-            f"member needs the same one: pass the same --device on every machine (--device cpu works everywhere)")
 
 
 def threads_per_process(local_world_size: int) -> int:

@@ -1,11 +1,10 @@
 """What is layered on the tutorial's code, each by a call that says what it does: ``on_build``
 (main.py's gloo fix, --dp_size); ``resume`` (--resume); ``RunLog`` (the stages, each step's loss and the run's
-summary, and the flags' step callbacks: ``Profile`` for --trace, ``LossLog``, ``Checkpoints``).
+summary, and the flags' step callbacks: ``LossLog``, ``Checkpoints``). --trace is ``distkit.start_rank``'s.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import resource
@@ -59,7 +58,7 @@ def resume(args: argparse.Namespace, pp) -> int:
 
 class RunLog:
     """The run as ``train.train`` reports it: the stages at the start, each step's loss (and the step
-    callbacks), the time, peak memory and losses at the end: what ``run_worker`` returns."""
+    callbacks), the time, peak memory and losses at the end: what ``run_worker`` saves."""
 
     def __init__(self, args: argparse.Namespace, pp, callbacks: list[StepCallback]) -> None:
         self.args, self.pp, self.callbacks = args, pp, callbacks
@@ -83,7 +82,7 @@ class RunLog:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak resident; Linux: KiB
         losses = f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}" if self.losses else ""
         log.info(f"{self.args.steps - first_step} steps in {seconds:.1f} s, peak memory {peak_mb:.0f} MB{losses}")
-        # what train.run_worker returns to the launcher, with the split the run used (auto's choice)
+        # what train.run_worker saves for main(), with the split the run used (auto's choice)
         return {"losses": self.losses or None, "seconds": seconds, "peak_mb": peak_mb,
                 "first_step": first_step, "stage_layers": list(self.pp.layout.stage_layers)}
 
@@ -153,6 +152,7 @@ class Checkpoints(StepCallback):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop = bool(flag.item())
         if stop or done == self.args.steps or every and done % every == 0:
+            distkit.progress()  # the save has --hang_timeout of its own, not what is left after the step
             try:
                 path = checkpoint.save(self.args.checkpoint_dir, done, self.parts,
                                        data_settings_from(self.args), self.layout)
@@ -162,26 +162,16 @@ class Checkpoints(StepCallback):
                 raise RuntimeError(f"--checkpoint_dir {self.args.checkpoint_dir}: cannot save step "
                                    f"{done} ({checkpoint.why(e)}); the newest complete checkpoint "
                                    f"is {previous or 'none'} (--resume goes on from it)") from e
+            distkit.progress()  # and the next step a whole --hang_timeout after it
             log.info(f"checkpoint {path} complete")
         if stop:
             log.info(f"stopped by SIGTERM after step {done}; --resume goes on from {path}")
             distkit.exit_now(128 + signal.SIGTERM)  # as SIGTERM's default would have, saved first
 
 
-class Profile(StepCallback):
-    """--trace: torch.profiler with the schedule's own spans, written to DIR/rank<r>.json at the end."""
-
-    def __init__(self, directory: str) -> None:
-        self.profiler = contextlib.ExitStack()
-        self.profiler.enter_context(distkit.profiled(directory, f"rank{dist.get_rank()}"))
-
-    def on_train_end(self) -> None:
-        self.profiler.close()
-
-
 def callbacks_for(args: argparse.Namespace, pp) -> list[StepCallback]:
     """The step callbacks the flags ask for."""
-    callbacks: list[StepCallback] = [Profile(args.trace)] if args.trace else []
+    callbacks: list[StepCallback] = []
     if args.loss_log and pp.reports:
         callbacks.append(LossLog(args.loss_log))
     if args.checkpoint_dir:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
 import distkit
@@ -44,21 +46,20 @@ class Pipeline:
     num_stages: int
 
 
-def init_distributed(worker: distkit.Worker, where: distkit.Placement) -> Pipeline:
-    """Join the process group torchrun (or distkit.Job) describes; the rank is read from the group."""
-    # Not the tutorial's bare call: the backend every machine agreed on (a refusal, not a hang; NCCL on a GPU
-    # each, bound to it by device_id), and under torchrun a store of this restart's own
-    dist.init_process_group(
-        backend=distkit.agreed_backend("pp", worker.rank, worker.world_size, where),
-        rank=worker.rank,
-        world_size=worker.world_size,
-        store=distkit.process_group_store(),
-        device_id=where.device_id,
-    )
-    rank, world_size = dist.get_rank(), dist.get_world_size()  # RANK, not the tutorial's LOCAL_RANK
+def init_distributed(rank: int, args: argparse.Namespace) -> Pipeline:
+    """Join the process group of the job torchrun or mp.spawn started (``env://``: MASTER_ADDR and
+    MASTER_PORT); ``rank`` is torchrun's RANK, or this process's index in mp.spawn."""
+    world_size = args.world_size  # torchrun's WORLD_SIZE, or --world_size
+    where = placement(rank, args)  # cuda:LOCAL_RANK where every rank here has a GPU, else the CPU
+    device = where.device
+    if device.type == "cuda":
+        torch.accelerator.set_device_index(device)  # this rank's GPU, the current one: NCCL's default
+    backend, device_id = where.backend, where.device_id  # NCCL bound to that GPU, or gloo on the CPU
+    # the tutorial's bare call reads RANK and WORLD_SIZE, which only torchrun sets: here they are passed
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, device_id=device_id)
     # This group can be a sub-group in the N-D parallel case
     pp_group = dist.new_group()
-    return Pipeline(rank, where.device, pp_group, stage_index=rank, num_stages=world_size)
+    return Pipeline(rank, device, pp_group, stage_index=rank, num_stages=world_size)
 
 
 def stage_layers(n_layers: int, stage_index: int, num_stages: int) -> range:
@@ -163,16 +164,17 @@ def train(args: argparse.Namespace, pp: Pipeline) -> list[float]:
     return batch_losses
 
 
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float]:
-    pp = init_distributed(worker, placement(worker, args))
+def run_worker(rank: int, args: argparse.Namespace) -> None:
+    distkit.start_rank(rank, args)  # beyond the tutorial: log prefix, threads, hang bound (distkit/rank.py)
+    pp = init_distributed(rank, args)
     losses = train(args, pp)
+    distkit.save_result(rank, losses)  # beyond the tutorial: the last stage's losses decide main()'s exit status
     dist.destroy_process_group()
-    return losses
 
 
-def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+def placement(rank: int, args: argparse.Namespace) -> distkit.Placement:
     """A GPU of its own and NCCL for every rank of this machine, or all on the CPU with gloo."""
-    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
+    return distkit.group_placement(args.device, distkit.local_rank(rank), distkit.local_world_size(args))
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -227,13 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # torchrun starts one process per rank, as in the tutorial; else mp.spawn does (see distkit.Job)
-    with distkit.Job(args) as job:
-        if job.torchrun:
-            job.run(run_worker, args)
-        else:
-            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
-    losses = next((r for r in job.results.values() if r), [])  # the last stage's (torchrun: if here)
+    if distkit.under_torchrun():  # torchrun started this process as one rank, as in the tutorial: run it
+        record(run_worker)(int(os.environ["RANK"]), args)
+    else:
+        distkit.prepare_spawn()  # beyond the tutorial: a free port, a folder for the ranks' losses
+        mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)
+    losses = next((r for r in distkit.results().values() if r), [])  # the last stage's (torchrun: if here)
     if len(losses) > 1 and not losses[-1] < losses[0]:
         print(f"The loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}", file=sys.stderr)
         return 1
@@ -241,4 +242,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    distkit.exit_process(main())
+    sys.exit(main())

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 
 import distkit
@@ -33,13 +36,28 @@ from pipelining_transformer.model import Transformer, make_optimizer, synthetic_
 log = logging.getLogger(__name__)
 
 
-def init_distributed(worker: distkit.Worker, where: distkit.Placement, dp_size: int = 1) -> DistEnv:
-    """main.py's process group, and on it a ("dp", "pp") mesh of ``dp_size`` pipelines: where this rank sits.
-    The mesh makes the groups, so main.py's one more (the tutorial's ``pp_group``) is not made here."""
-    dist.init_process_group(backend=distkit.agreed_backend("pp", worker.rank, worker.world_size, where),
-                            rank=worker.rank, world_size=worker.world_size, store=distkit.process_group_store(),
-                            device_id=where.device_id)
-    return DistEnv(where.device, dp.device_mesh(where.device, dist.get_world_size(), dp_size))
+def init_distributed(rank: int, args: argparse.Namespace) -> DistEnv:
+    """main.py's process group, in a store of this restart's own, and on it a ("dp", "pp") mesh of
+    --dp_size pipelines: where this rank sits. The mesh makes the groups, so main.py's one more (the
+    tutorial's ``pp_group``) is not made here."""
+    where = tutorial.placement(rank, args)
+    if where.device.type == "cuda":
+        torch.accelerator.set_device_index(where.device)  # this rank's GPU, the current one: NCCL's default
+    backend, device_id = where.backend, where.device_id  # NCCL bound to that GPU, or gloo on the CPU
+    # torch 2.14.1 needs this (pytorch/pytorch#135712): torchrun keeps its agent's store, keys and all, for
+    # every restart, and env:// puts no prefix on the group's keys, so a restarted rank can read what the dead
+    # attempt wrote under the same key (the issue's report: NCCL's unique id, then a failed connect). This
+    # restart's keys take a prefix of their own, in the store the launcher hosts (torchrun's agent, or
+    # distkit.prepare_spawn for mp.spawn). Over several machines, whose agents count restarts differently,
+    # torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 hosts none: a new store each restart (env://).
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt_{restart}/", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False))
+    dist.init_process_group(backend=backend, rank=rank, world_size=args.world_size, store=store,
+                            device_id=device_id)
+    return DistEnv(where.device, dp.device_mesh(where.device, args.world_size, args.dp_size))
 
 
 def traced_stages(model: Transformer, example_input_microbatch: torch.Tensor, split_points: list[str],
@@ -129,11 +147,12 @@ def train(args: argparse.Namespace, env: DistEnv, callbacks_for=extras.callbacks
     return run.on_train_end(first_step)  # the callbacks' last word, and the run's summary
 
 
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    env = init_distributed(worker, tutorial.placement(worker, args), args.dp_size)
+def run_worker(rank: int, args: argparse.Namespace) -> None:
+    distkit.start_rank(rank, args)  # log prefix, threads, hang bound, --trace (distkit/rank.py)
+    env = init_distributed(rank, args)
     result = train(args, env)
+    distkit.save_result(rank, result)  # its run's summary, for main()'s exit status
     dist.destroy_process_group()
-    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,14 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # torchrun starts one process per rank, as in the tutorial; else mp.spawn does (see distkit.Job)
-    with distkit.Job(args) as job:
-        if job.torchrun:
-            job.run(run_worker, args)
-        else:
-            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
-    return extras.exit_status(job.results)  # 1 if the loss of a run from step 0 did not fall
+    if distkit.under_torchrun():  # torchrun started this process as one rank: run it
+        record(run_worker)(int(os.environ["RANK"]), args)
+    else:
+        distkit.prepare_spawn()  # a free port, a folder for the ranks' summaries
+        mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)
+    return extras.exit_status(distkit.results())  # 1 if the loss of a run from step 0 did not fall
 
 
 if __name__ == "__main__":
-    distkit.exit_process(main())
+    sys.exit(main())

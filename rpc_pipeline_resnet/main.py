@@ -2,12 +2,15 @@
 master, holds DistResNet50 (model.py), makes the data, computes the loss and steps; worker1 and worker2 own
 its shards. A fresh model (same weights) per N in --splits trains on batches of N micro-batches, timed.
 
-    python rpc_pipeline_resnet/main.py --splits 1 2 4   # spawns 3 processes (or: torchrun --nproc_per_node 3)
+    python rpc_pipeline_resnet/main.py --splits 1 2 4                           # mp.spawn starts 3 processes
+    torchrun --nproc_per_node 3 rpc_pipeline_resnet/main.py --splits 1 2 4   # or torchrun does, one rank each
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import time
 
 import torch
@@ -16,6 +19,7 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.optim import DistributedOptimizer
 
 import distkit
@@ -77,14 +81,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     check_batch_args(parser, args)
     distkit.check_placements(parser, args, placement)
     if args.threads is None:  # the master only computes the loss: the two shards share the cores
-        args.threads = distkit.threads_per_process(min(2, len(distkit.local_workers(args))))
+        args.threads = distkit.threads_per_process(min(2, distkit.local_world_size(args)))
 
 
-def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+def placement(rank: int, args: argparse.Namespace) -> distkit.Placement:
     """The master: the CPU. Shard i (rank i + 1): cuda:i with two GPUs, both cuda:0 with one, else the CPU."""
-    if worker.rank == 0:
+    if rank == 0:
         return distkit.Placement(torch.device("cpu"))
-    return distkit.Placement(distkit.pick_device(args.device, worker.rank - 1))
+    return distkit.Placement(distkit.pick_device(args.device, rank - 1))
 
 
 def run_master(num_split: int, args: argparse.Namespace, devices: list[torch.device]) -> list[float]:
@@ -117,17 +121,20 @@ def run_master(num_split: int, args: argparse.Namespace, devices: list[torch.dev
     return losses
 
 
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
-    """Rank 0, the master, returns one run per --splits value (its seconds and losses); ranks 1 and 2 host
-    the shards."""
-    torch.manual_seed(args.seed + worker.rank)
+def run_worker(rank: int, args: argparse.Namespace) -> None:
+    """Rank 0, the master, leaves one run per --splits value (its seconds and losses) for main(); ranks 1 and 2
+    host the shards."""
+    distkit.start_rank(rank, args)  # beyond the tutorial: log prefix, threads, hang bound, --trace (distkit/rank.py)
+    world_size = args.world_size
+    torch.manual_seed(args.seed + rank)
     distkit.quiet_distributed_optimizer()  # what DistributedOptimizer prints on every rank, see the README
     # TCP ("uv") only, as between machines: the shared-memory transport busy-polls (15 % of a core idle)
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=128, rpc_timeout=args.rpc_timeout,
                                               _transports=["uv"])
-    runs = None
-    if worker.rank == 0:
-        rpc.init_rpc("master", rank=0, world_size=worker.world_size, rpc_backend_options=options)
+    if rank == 0:
+        rpc.init_rpc("master", rank=rank, world_size=world_size, rpc_backend_options=options)
+        # the master mostly waits on the shards: their answers count as its progress (--hang_timeout)
+        distkit.wait_on(*WORKERS, timeout=args.rpc_timeout)
         # each worker picks its shard's device, knowing its own GPUs, as ``placement`` did before launch
         devices = [rpc.rpc_sync(name, distkit.pick_device, args=(args.device, i)) for i, name in enumerate(WORKERS)]
         log.info(f"shards on {' and '.join(map(str, devices))}")
@@ -139,27 +146,25 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] |
             log.info(f"number of splits = {num_split}, execution time = {tok - tik}")
             log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
             runs.append({"num_split": num_split, "time": tok - tik, "losses": losses})
+        distkit.save_result(rank, runs)  # beyond the tutorial: for the tests and the benchmark
     else:
-        rpc.init_rpc(f"worker{worker.rank}", rank=worker.rank, world_size=worker.world_size,
-                     rpc_backend_options=options)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+        # the workers passively wait for the master's RPCs: each shard's forwards are its progress
     # block until all rpcs finish
     rpc.shutdown()
-    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # the tutorial's mp.spawn; distkit.Job adds a free port, the hang watchdog, failure reports, results, and
-    # runs each rank under torch.profiler with --trace
-    with distkit.Job(args, trace=args.trace) as job:
-        if job.torchrun:
-            job.run(run_worker, args)
-        else:
-            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
+    if distkit.under_torchrun():  # torchrun started this process as one rank: run it
+        record(run_worker)(int(os.environ["RANK"]), args)
+    else:
+        distkit.prepare_spawn()  # beyond the tutorial: a free port
+        mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)
     return 0
 
 
 if __name__ == "__main__":
-    distkit.exit_process(main())
+    sys.exit(main())

@@ -1,12 +1,17 @@
 """The same ResNet50 pipeline (main.py's halves, seeds, data, micro-batches) with torch.distributed.pipelining,
 as "Introduction to Distributed Pipeline Parallelism" does it: two ranks, no master. Rank 0 runs stage 0
 (ResNetShard1's layers) and feeds the images, rank 1 stage 1 (ResNetShard2's) and computes each micro-batch's
-MSELoss; each steps its own SGD. ``ScheduleGPipe`` or ``--schedule 1F1B``. Under torchrun, or --world_size 2."""
+MSELoss; each steps its own SGD. ``ScheduleGPipe`` or ``--schedule 1F1B``.
+
+    python rpc_pipeline_resnet/pipelining.py                             # mp.spawn starts 2 processes
+    torchrun --nproc_per_node 2 rpc_pipeline_resnet/pipelining.py        # or torchrun does, one rank each
+"""
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -14,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import distkit
@@ -68,20 +74,22 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     distkit.check_placements(parser, args, placement)
 
 
-def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+def placement(rank: int, args: argparse.Namespace) -> distkit.Placement:
     """A GPU of its own per rank and NCCL, or both ranks on the CPU with gloo (never two ranks on one GPU)."""
-    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
+    return distkit.group_placement(args.device, distkit.local_rank(rank), distkit.local_world_size(args))
 
 
-def init_distributed(where: distkit.Placement) -> tuple[int, torch.device]:
-    """Join the process group torchrun (or distkit) describes, on ``placement``'s ``where``; rank, device."""
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    # the backend every machine agreed on (NCCL on a GPU each, bound to it by device_id); under torchrun, a
-    # store of this restart's own
-    dist.init_process_group(backend=distkit.agreed_backend("pp", rank, world_size, where), rank=rank,
-                            world_size=world_size, store=distkit.process_group_store(), device_id=where.device_id)
-    return rank, where.device
+def init_distributed(rank: int, args: argparse.Namespace) -> torch.device:
+    """Join the process group as ``rank``, on ``placement``'s device; returns it. The rendezvous is
+    ``env://``: the MASTER_ADDR and MASTER_PORT that mp.spawn's launcher or torchrun set."""
+    where = placement(rank, args)
+    if where.device_id is not None:
+        torch.accelerator.set_device_index(where.device)  # this rank's GPU, the current one (NCCL's)
+    backend = where.backend  # NCCL on a GPU each, else gloo
+    # the tutorial's bare call with its arguments written out (mp.spawn sets no RANK or WORLD_SIZE for env:// to
+    # read); device_id binds NCCL to the GPU at once
+    dist.init_process_group(backend=backend, rank=rank, world_size=args.world_size, device_id=where.device_id)
+    return where.device
 
 
 class ShardStage(nn.Module):
@@ -153,9 +161,11 @@ def run_pipeline(num_split: int, args: argparse.Namespace, rank: int, device: to
     return losses
 
 
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
-    """Both ranks: one fresh pair of stages per --splits value, one run each (rank 0 times, rank 1 losses)."""
-    rank, device = init_distributed(placement(worker, args))
+def run_worker(rank: int, args: argparse.Namespace) -> None:
+    """Both ranks: one fresh pair of stages per --splits value, one run each (rank 0 times, rank 1 losses), left
+    for main()."""
+    distkit.start_rank(rank, args)  # beyond the tutorial: log prefix, threads, hang bound, --trace (distkit/rank.py)
+    device = init_distributed(rank, args)
     log.info(f"stage {rank} on {device}")  # what --device chose
     runs = []
     for num_split in args.splits:
@@ -167,8 +177,8 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
             log.info(f"number of splits = {num_split}, execution time = {tok - tik}")
         else:
             log.info(f"losses with {num_split} split(s): {' '.join(f'{x:.4f}' for x in losses)}")
+    distkit.save_result(rank, runs)  # beyond the tutorial: for the tests and the benchmark
     dist.destroy_process_group()
-    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,14 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     # as in the tutorial, torchrun starts one process per rank; without it, mp.spawn starts --world_size here
-    # (distkit.Job runs each rank under torch.profiler with --trace)
-    with distkit.Job(args, trace=args.trace) as job:
-        if job.torchrun:
-            job.run(run_worker, args)
-        else:
-            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
+    if distkit.under_torchrun():
+        record(run_worker)(int(os.environ["RANK"]), args)
+    else:
+        distkit.prepare_spawn()  # beyond the tutorial: a free port (env://)
+        mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)
     return 0
 
 
 if __name__ == "__main__":
-    distkit.exit_process(main())
+    sys.exit(main())

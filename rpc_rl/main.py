@@ -2,18 +2,21 @@
 Framework", first half): rank 0 is the agent (rpc_rl/agent.py), ranks 1..N-1 observers. It stops at
 "Solved!" (running reward past CartPole's 475) or after --max_episodes, exit status 1.
 
-    python rpc_rl/main.py --world_size 3        # spawns the processes (or: torchrun --nproc_per_node 3)
+    python rpc_rl/main.py --world_size 3        # mp.spawn starts the processes
+    torchrun --nproc_per_node 3 rpc_rl/main.py  # or torchrun does, one rank each
     python rpc_rl/main.py --world_size 3 --save policy.pt && python rpc_rl/main.py --play policy.pt
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import torch
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import distkit
 from distkit.args import at_least, path, up_to
@@ -78,14 +81,16 @@ def finish_run(agent: Agent, rewards: list[float], args: argparse.Namespace) -> 
             "policy": agent.policy.state_dict()}
 
 
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    """Rank 0 trains as the agent; other ranks serve as observers. The agent returns its run."""
+def run_worker(rank: int, args: argparse.Namespace) -> None:
+    """Rank 0 trains as the agent; other ranks serve as observers. The agent leaves its run for main()."""
+    distkit.start_rank(rank, args)  # beyond the tutorial: log prefix, threads, hang bound (distkit/rank.py)
+    world_size = args.world_size
     # TCP only (as between machines): TensorPipe's shared-memory transport busy-polls, too costly on a small CPU
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout, _transports=["uv"])
-    if worker.rank == 0:
+    if rank == 0:
         # rank 0 is the agent
-        rpc.init_rpc(AGENT_NAME, rank=0, world_size=worker.world_size, rpc_backend_options=options)
-        agent = build_agent(args, worker.world_size)
+        rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size, rpc_backend_options=options)
+        agent = build_agent(args, world_size)
         rewards = []  # each episode's, for the result
         log.info(f"This will run until reward threshold of {agent.reward_threshold} is reached "
                  f"or {args.max_episodes} episodes have run.")
@@ -100,16 +105,14 @@ def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
             if agent.running_reward > agent.reward_threshold:
                 log.info(f"Solved! Running reward is now {agent.running_reward}!")
                 break
-        result = finish_run(agent, rewards, args)  # beyond the tutorial: the run for main(), --save
+        distkit.save_result(rank, finish_run(agent, rewards, args))  # beyond the tutorial: for main(), --save
     else:
         # other ranks are the observers
-        rpc.init_rpc(OBSERVER_NAME.format(worker.rank), rank=worker.rank,
-                     world_size=worker.world_size, rpc_backend_options=options)
-        # observers passively wait for the agent's instructions
-        result = None
+        rpc.init_rpc(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+        # observers passively wait for the agent's instructions (bounded: each answer of the agent's counts)
+        distkit.wait_on(AGENT_NAME, timeout=args.rpc_timeout)
     # block until all rpcs finish (every outstanding RPC of the job), and shut RPC down
     rpc.shutdown()
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,13 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         for i, reward in enumerate(play(policy, args.play_episodes, args.seed), 1):
             print(f"Episode {i}\tReward: {reward:.0f}")
         return 0
-    # the tutorial's mp.spawn; distkit.Job adds a free port, the hang watchdog, failure reports, results
-    with distkit.Job(args) as job:
-        if job.torchrun:
-            job.run(run_worker, args)
-        else:
-            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
-    agent = job.results.get(0)
+    if distkit.under_torchrun():  # torchrun started this process as one rank: run it
+        record(run_worker)(int(os.environ["RANK"]), args)
+    else:
+        distkit.prepare_spawn()  # beyond the tutorial: a free port, a folder for the agent's run
+        mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)
+    agent = distkit.results().get(0)
     if agent is not None and not agent["solved"]:
         print(f"Not solved: running reward {agent['running_reward']:.2f} is below {agent['threshold']} after "
               f"{agent['episodes']} episodes (raise --max_episodes)", file=sys.stderr)
@@ -139,4 +141,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    distkit.exit_process(main())
+    sys.exit(main())

@@ -3,12 +3,15 @@ Started with Distributed RPC Framework"). Rank 0, "ps", owns the EmbeddingTable 
 and the Decoder, created there by the trainer with rpc.remote; rank 1, "trainer", owns the LSTM and trains
 it all to predict the next token of a seeded repeating pattern (the loss falls from ln(ntoken) towards 0).
 
-    python rpc_rnn/main.py --epochs 5 --nhid 64     # spawns both processes (or: torchrun --nproc_per_node 2)
+    python rpc_rnn/main.py --epochs 5 --nhid 64          # mp.spawn starts both processes
+    torchrun --nproc_per_node 2 rpc_rnn/main.py --epochs 5  # or torchrun does, one rank each
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -17,6 +20,7 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.optim import DistributedOptimizer
 
 import distkit
@@ -60,9 +64,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     distkit.check_placements(parser, args, placement)
 
 
-def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+def placement(rank: int, args: argparse.Namespace) -> distkit.Placement:
     """The parameter server: ``ps_device``. The trainer: the CPU. No process group."""
-    return distkit.Placement(ps_device(args) if worker.rank == 0 else torch.device("cpu"))
+    return distkit.Placement(ps_device(args) if rank == 0 else torch.device("cpu"))
 
 
 def ps_device(args: argparse.Namespace) -> torch.device:
@@ -122,37 +126,37 @@ def run_trainer(args: argparse.Namespace) -> dict:
     return {"losses": record.losses}
 
 
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    """Rank 0 serves as the parameter server; rank 1 trains."""
+def run_worker(rank: int, args: argparse.Namespace) -> None:
+    """Rank 1 trains; rank 0 serves as the parameter server. The trainer leaves its losses for main()."""
+    distkit.start_rank(rank, args)  # beyond the tutorial: log prefix, threads, hang bound (distkit/rank.py)
+    world_size = args.world_size
     # the ps draws the dropout masks of the embedding and the decoder (their weights come from
     # their own seeds, see rnn._uniform_), the trainer the LSTM's weights and dropout
     torch.manual_seed(args.seed)
     distkit.quiet_distributed_optimizer()  # what DistributedOptimizer prints on every rank, see the README
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
-    if worker.rank == 0:
-        rpc.init_rpc(PS_NAME, rank=0, world_size=worker.world_size, rpc_backend_options=options)
-        # parameter server does nothing itself: shutdown blocks until the trainer is done
-        rpc.shutdown()
-        return None
-    rpc.init_rpc(TRAINER_NAME, rank=worker.rank, world_size=worker.world_size,
-                 rpc_backend_options=options)
-    result = run_trainer(args)
+    if rank == 1:
+        rpc.init_rpc(TRAINER_NAME, rank=rank, world_size=world_size, rpc_backend_options=options)
+        distkit.save_result(rank, run_trainer(args))  # beyond the tutorial: its losses, for main()
+    else:
+        rpc.init_rpc(PS_NAME, rank=rank, world_size=world_size, rpc_backend_options=options)
+        # parameter server does nothing itself (bounded: each answer of the trainer's counts as its progress)
+        distkit.wait_on(TRAINER_NAME, timeout=args.rpc_timeout)
+
     # block until all rpcs finish
     rpc.shutdown()
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # the tutorial's mp.spawn; distkit.Job adds a free port, the hang watchdog, failure reports, results
-    with distkit.Job(args) as job:
-        if job.torchrun:
-            job.run(run_worker, args)
-        else:
-            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
-    trainer = job.results.get(1)
+    if distkit.under_torchrun():  # torchrun started this process as one rank: run it
+        record(run_worker)(int(os.environ["RANK"]), args)
+    else:
+        distkit.prepare_spawn()  # beyond the tutorial: a free port, a folder for the trainer's losses
+        mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)
+    trainer = distkit.results().get(1)  # None under torchrun in the parameter server's process
     if trainer is not None:
         losses = trainer["losses"]
         print(f"loss {losses[0]:.4f} in epoch 0 -> {losses[-1]:.4f} in epoch {len(losses) - 1}")
@@ -160,4 +164,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    distkit.exit_process(main())
+    sys.exit(main())

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
@@ -42,9 +45,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     distkit.check_placements(parser, args, placement)
 
 
-def placement(worker: distkit.Worker, args: argparse.Namespace) -> distkit.Placement:
+def placement(rank: int, args: argparse.Namespace) -> distkit.Placement:
     """A GPU of its own per rank and NCCL, or every rank on the CPU with gloo."""
-    return distkit.group_placement(args.device, worker.local_rank, worker.local_world_size)
+    return distkit.group_placement(args.device, distkit.local_rank(rank), distkit.local_world_size(args))
 
 
 class ShardedRNNModel(nn.Module):
@@ -109,20 +112,21 @@ def run_trainer(model: ShardedRNNModel, args: argparse.Namespace, device: torch.
     return {"losses": record.losses}
 
 
-def run_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """Every rank: join the group, build its share of the model, train; each returns its losses."""
-    rank, world_size = worker.rank, worker.world_size
-    where = placement(worker, args)
-    # the backend every rank agreed on; under torchrun, a store of this restart's own
-    dist.init_process_group(backend=distkit.agreed_backend("ranks", rank, world_size, where), rank=rank,
-                            world_size=world_size, store=distkit.process_group_store(), device_id=where.device_id)
+def run_worker(rank: int, args: argparse.Namespace) -> None:
+    """Every rank: join the group, build its share of the model, train; each leaves its losses."""
+    distkit.start_rank(rank, args)  # log prefix, threads, hang bound (distkit/rank.py)
+    world_size = args.world_size
+    where = placement(rank, args)
+    if where.device_id is not None:  # this rank's own GPU, current before NCCL binds the group to it
+        torch.accelerator.set_device_index(where.device_id)
+    backend = where.backend  # NCCL with a GPU per rank, else gloo
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, device_id=where.device_id)
     mesh = init_device_mesh(where.device.type, (world_size,))
     # the same seed on every rank: the same LSTM, and the same dropout masks wherever the ranks hold copies
     torch.manual_seed(args.seed)
     model = ShardedRNNModel(args, mesh, where.device)
-    result = run_trainer(model, args, where.device)
+    distkit.save_result(rank, run_trainer(model, args, where.device))  # for main() (rank 0's) and the tests
     dist.destroy_process_group()
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,12 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     # as the other examples: torchrun starts one process per rank; without it, mp.spawn starts --world_size
-    with distkit.Job(args) as job:
-        if job.torchrun:
-            job.run(run_worker, args)
-        else:
-            job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=job.nprocs, join=False))
-    result = job.results.get(0)  # None: rank 0 ran on another machine
+    if distkit.under_torchrun():  # torchrun started this process as one rank: run it
+        record(run_worker)(int(os.environ["RANK"]), args)
+    else:
+        distkit.prepare_spawn()  # a free port, a folder for the ranks' losses
+        mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)
+    result = distkit.results().get(0)  # None: under torchrun, in another rank's process
     if result is not None:
         losses = result["losses"]
         print(f"loss {losses[0]:.4f} in epoch 0 -> {losses[-1]:.4f} in epoch {len(losses) - 1}")
@@ -143,4 +147,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    distkit.exit_process(main())
+    sys.exit(main())

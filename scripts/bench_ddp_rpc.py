@@ -53,10 +53,10 @@ def set_table(rows: int, dim: int) -> None:
         module.NUM_EMBEDDINGS, module.EMBEDDING_DIM = rows, dim
 
 
-def sized(run: Callable, rows: int, dim: int, worker: distkit.Worker, args: argparse.Namespace) -> object:
+def sized(run: Callable, rows: int, dim: int, rank: int, args: argparse.Namespace) -> None:
     """In every rank: ``run`` on a table of ``rows`` x ``dim``."""
     set_table(rows, dim)
-    return run(worker, args)
+    run(rank, args)
 
 
 def time_same_work(config: TrainConfig, ranks: int, warmup: int) -> float:

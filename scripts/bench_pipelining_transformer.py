@@ -1,6 +1,6 @@
 """Benchmark pipelining_transformer: step time, tokens/s, memory and bubble per schedule and m.
 
-The example's ``run_worker`` unchanged, beside one process with the whole model and as many
+The example's ``init_distributed`` and ``train`` unchanged, beside one process with the whole model and as many
 threads. Bubble = 1 - compute (stagetrace.py's spans) / schedule time, beside the ideal
 (pipeline_plan.py). --sweep: over work per micro-batch, against one process and p m / (m + p - 1).
 Usage, every column: docs/pipelining_transformer_benchmark.md#benchmark.
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import astuple
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from benchlib import (bench_parser, check_at_least, describe_machine, example_args, format_table, median, parse,
@@ -45,9 +46,10 @@ def timed(fn: Callable, on_done: Callable[[float, float], None]) -> Callable:
     return wrapper
 
 
-def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """Every rank: the example's ``run_worker`` with its clocks on: step ends, schedule and compute seconds."""
-    recorder = stagetrace.Recorder(worker.rank)
+def pipeline_worker(rank: int, args: argparse.Namespace) -> dict:
+    """Every rank: the example's ``run_worker`` with its clocks on: step ends, schedule and compute seconds,
+    returned with the run's summary."""
+    recorder = stagetrace.Recorder(rank)
     clocks: dict[str, list] = {"step_ends": [], "schedule": [], "compute": [], "spans": []}  # spans: for the tests
 
     def end_schedule(a: float, b: float) -> None:
@@ -60,7 +62,7 @@ def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
     stagetrace.record_into(recorder)
     # the example's train(): its schedule's step timed, and each step's end: its last optimizer's step
     wrap_schedule_steps(lambda step: timed(step, end_schedule))
-    stages = len(stage_indices_for(args.schedule, worker.rank, args.world_size))  # an optimizer each
+    stages = len(stage_indices_for(args.schedule, rank, args.world_size))  # an optimizer each
     optimizer_steps = []
 
     def end_step(*_) -> None:  # after the rank's last optimizer of a step
@@ -69,11 +71,15 @@ def pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
             clocks["step_ends"].append(optimizer_steps[-1])
 
     register_optimizer_step_post_hook(end_step)
-    # the result's "stage_layers": the split the run used (auto: as chosen)
-    return {**example.run_worker(worker, args), **clocks}
+    # run_worker's body (which saves the summary); the summary's "stage_layers": the split the run used
+    # (auto: as chosen)
+    env = example.init_distributed(rank, args)
+    result = example.train(args, env)
+    dist.destroy_process_group()
+    return {**result, **clocks}
 
 
-def local_worker(worker: distkit.Worker, args: argparse.Namespace, m: int = 1) -> dict:
+def local_worker(rank: int, args: argparse.Namespace, m: int = 1) -> dict:
     """The reference: one process, the whole model; m > 1: micro-batches one after another."""
     torch.manual_seed(args.seed)
     model = Transformer(example.model_args_from(args))

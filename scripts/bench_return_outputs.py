@@ -2,7 +2,7 @@
 
 pipelining_transformer's last stage calls ``schedule.step(target=y, losses=losses, return_outputs=False)``:
 with the default ``True`` the stage keeps every micro-batch's logits (batch x seq x vocab floats) and
-merges them into one tensor that ``train`` never reads. This runs the example's own ``run_worker`` on
+merges them into one tensor that ``train`` never reads. This runs the example's own ``train`` on
 2 ranks both ways, at the README's sizes and at a larger vocabulary, alternating the two, and prints
 the last stage's median step time and its process's peak resident memory::
 
@@ -16,6 +16,8 @@ import functools
 import resource
 import time
 
+import torch.distributed as dist
+
 from benchlib import check_at_least, wrap_schedule_steps, describe_machine, example_args, format_table, median
 import distkit
 import pipelining_transformer.train as example
@@ -23,7 +25,7 @@ import pipelining_transformer.train as example
 HEADER = ["vocab", "return_outputs", "last stage step ms", "peak MB (last stage)", "runs"]
 
 
-def worker(return_outputs: bool, w: distkit.Worker, args: argparse.Namespace) -> dict:
+def worker(return_outputs: bool, rank: int, args: argparse.Namespace) -> dict:
     """The example's ``run_worker``, each ``schedule.step`` given ``return_outputs`` and timed."""
     seconds: list[float] = []
 
@@ -38,8 +40,10 @@ def worker(return_outputs: bool, w: distkit.Worker, args: argparse.Namespace) ->
         return wrapper
 
     wrap_schedule_steps(forced)
-    result = example.run_worker(w, args)
-    return {"last": w.rank == args.world_size - 1, "step_s": seconds[args.warmup:],
+    env = example.init_distributed(rank, args)  # run_worker's body (which saves the summary)
+    result = example.train(args, env)
+    dist.destroy_process_group()
+    return {"last": rank == args.world_size - 1, "step_s": seconds[args.warmup:],
             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "losses": result["losses"]}
 
 

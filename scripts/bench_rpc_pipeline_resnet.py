@@ -90,10 +90,11 @@ def gflop_per_image(size: int, num_classes: int) -> float:
     return 3 * sum(flops) / 2 / 1e9
 
 
-def bench_worker(engine: str, configs: list[tuple[int, int]], warmup: int, worker: distkit.Worker,
+def bench_worker(engine: str, configs: list[tuple[int, int]], warmup: int, rank: int,
                  args: argparse.Namespace) -> list[dict]:
     """Every rank: the engine's ``run_worker``, run i on configuration i, our meter on each batch (its
-    model and optimizer, patched in: ``batch_windows``), the first ``warmup`` batches of a run left out."""
+    model and optimizer, patched in: ``batch_windows``), the first ``warmup`` batches of a run left out.
+    What it returns replaces, in ``distkit.launch``'s answer, the runs ``run_worker`` saved."""
     steady_malloc()  # every process of the job keeps its memory: see resnet_meters.py
     module_name, loop_name = ENGINES[engine]
     module = importlib.import_module(module_name)
@@ -110,7 +111,7 @@ def bench_worker(engine: str, configs: list[tuple[int, int]], warmup: int, worke
         return losses
 
     setattr(module, loop_name, run_config)
-    module.run_worker(worker, args)
+    module.run_worker(rank, args)
     return measured
 
 

@@ -13,11 +13,11 @@ import time
 from benchlib import bench_parser, check_at_least, describe_machine, example_args, format_table, parse, save_plot
 import distkit
 import rpc_rl.main as rl_main
-from rpc_phases import rpc_round_trip
+from rpc_phases import rpc_round_trip, saved_by
 
 
-def timed_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    """``run_worker``; the agent's result gains the environment steps and seconds of its episodes."""
+def timed_worker(rank: int, args: argparse.Namespace) -> dict | None:
+    """``run_worker``; the agent's saved run gains the environment steps and seconds of its episodes."""
     count = {"env_steps": 0, "seconds": 0.0}
     build = rl_main.build_agent
 
@@ -36,7 +36,7 @@ def timed_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | Non
         return agent
 
     rl_main.build_agent = build_agent  # in this rank's process only
-    result = rl_main.run_worker(worker, args)
+    result = saved_by(rl_main.run_worker, rank, args)  # the agent's run; an observer's: None
     return {**result, **count} if result else result
 
 

@@ -48,6 +48,7 @@ import distkit  # noqa: E402
 from distkit.args import path  # noqa: E402
 import stagetrace  # noqa: E402
 from resnet_meters import batch_windows, steady_malloc  # noqa: E402
+from rpc_phases import saved_by  # noqa: E402
 
 PARITY = ("rpc_rl_parity.png", "ddp_rpc_parity.png", "rpc_rnn_parity.png", "rpc_pipeline_resnet_parity.png",
           "pipelining_transformer_parity.png")
@@ -136,7 +137,7 @@ def rpc_rl(quick: bool) -> Curves:
 
 # ---- ddp_rpc: each step's loss (mean over the trainers), against tests/test_ddp_rpc.py's _reference_run ----
 
-def _lockstep_trainer(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+def _lockstep_trainer(rank: int, args: argparse.Namespace) -> None:
     """ddp_rpc's run_worker, except that the trainers wait for each other after each optimizer step.
 
     In the example the table's updates are asynchronous across trainers: a trainer's next lookup may come
@@ -151,7 +152,7 @@ def _lockstep_trainer(worker: distkit.Worker, args: argparse.Namespace) -> dict 
             dist.barrier()  # the trainers' process group: both tables' steps have landed
 
     trainer.DistributedOptimizer = SteppedTogether
-    return example.run_worker(worker, args)
+    example.run_worker(rank, args)  # the master saves its summary
 
 
 def _mean_per_step(per_rank: list[list[list[float]]]) -> list[float]:
@@ -303,13 +304,13 @@ class _Marks:
         stagetrace.end_step()
 
 
-def _rpc_resnet_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict] | None:
+def _rpc_resnet_worker(rank: int, args: argparse.Namespace) -> list[dict] | None:
     """main.py's run_worker; the master's runs also hold each batch's start and end and the shards' spans."""
     import torch.distributed.rpc as rpc
     import rpc_pipeline_resnet.main as example
 
     steady_malloc()  # as the benchmark: freed memory kept, so that no batch page-faults it back in
-    _trace_shards(worker.rank)
+    _trace_shards(rank)
     traces, run_master = [], example.run_master
 
     def traced_run_master(num_split: int, a: argparse.Namespace, devices: list) -> list[float]:
@@ -321,17 +322,17 @@ def _rpc_resnet_worker(worker: distkit.Worker, args: argparse.Namespace) -> list
         return losses
 
     example.run_master = traced_run_master
-    runs = example.run_worker(worker, args)
+    runs = saved_by(example.run_worker, rank, args)  # the master's runs; a shard's: None
     return runs and [run | trace for run, trace in zip(runs, traces)]
 
 
-def _pp_resnet_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[dict]:
+def _pp_resnet_worker(rank: int, args: argparse.Namespace) -> list[dict]:
     """pipelining.py's run_worker; each run also holds this rank's batches' starts and ends and its spans
     (scripts/stagetrace.py's, as the benchmarks record them)."""
     import rpc_pipeline_resnet.pipelining as example
 
     steady_malloc()
-    recorder = stagetrace.Recorder(worker.rank)
+    recorder = stagetrace.Recorder(rank)
     stagetrace.record_into(recorder)
     traces, run_pipeline = [], example.run_pipeline
 
@@ -345,7 +346,7 @@ def _pp_resnet_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[
         return losses
 
     example.run_pipeline = traced_run_pipeline
-    return [run | trace for run, trace in zip(example.run_worker(worker, args), traces)]
+    return [run | trace for run, trace in zip(saved_by(example.run_worker, rank, args), traces)]
 
 
 @dataclass

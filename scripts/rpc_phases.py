@@ -75,11 +75,24 @@ def phase_seconds(marks: list[tuple[float, float, float, float]], warmup: int) -
     return out
 
 
-def timed_run(run: Callable, worker: distkit.Worker, args: argparse.Namespace) -> dict:
+def saved_by(run: Callable[[int, argparse.Namespace], Any], rank: int, args: argparse.Namespace) -> Any:
+    """In a rank: ``run(rank, args)`` (an example's ``run_worker``, which returns None), and what it left
+    with ``distkit.save_result``, kept here: the caller's result for this rank holds it, not replaces it."""
+    saved = []
+    save = distkit.save_result
+    distkit.save_result = lambda _, value: saved.append(value)
+    try:
+        returned = run(rank, args)
+    finally:
+        distkit.save_result = save
+    return saved[-1] if saved else returned
+
+
+def timed_run(run: Callable, rank: int, args: argparse.Namespace) -> dict:
     """Runs in every process of the job: the example's own ``run_worker``, with a clock on."""
     clock = PhaseClock()
     clock.wrap_distributed()
-    return {"result": run(worker, args), "marks": clock.marks}
+    return {"result": saved_by(run, rank, args), "marks": clock.marks}
 
 
 def launch_timed(run: Callable, args: argparse.Namespace, warmup: int) -> list[dict[str, list[float]]]:
@@ -92,12 +105,12 @@ def _noop() -> None:
     return None
 
 
-def rtt_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float]:
+def rtt_worker(rank: int, args: argparse.Namespace) -> list[float]:
     """Rank 0 times ``rpc_sync`` calls of a no-op on rank 1, over TCP only as rpc_rl does."""
     options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"])
-    rpc.init_rpc(f"w{worker.rank}", rank=worker.rank, world_size=2, rpc_backend_options=options)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     times = []
-    if worker.rank == 0:
+    if rank == 0:
         for _ in range(20 + args.rtt_calls):  # the first 20 warm up: connections, thread pool
             start = time.perf_counter()
             rpc.rpc_sync("w1", _noop)
@@ -108,8 +121,7 @@ def rtt_worker(worker: distkit.Worker, args: argparse.Namespace) -> list[float]:
 
 def rpc_round_trip(calls: int, end: str = "\n") -> float:
     """Median seconds of a no-op ``rpc_sync`` between two processes of this machine, printed."""
-    args = argparse.Namespace(world_size=2, ranks=None, master_addr=None, master_port=None,
-                              device="cpu", threads=None, rtt_calls=calls)
+    args = argparse.Namespace(world_size=2, device="cpu", threads=None, rtt_calls=calls)
     rtt = median(distkit.launch(rtt_worker, args)[0])
     print(f"# RPC round trip (median of {calls} no-op rpc_sync): {rtt * 1e3:.3f} ms", end=end)
     return rtt
@@ -183,12 +195,12 @@ def rpc_step_ms(run: Callable, args: argparse.Namespace, warmup: int) -> tuple[f
     return 1e3 * median(times), {rank: r["result"] for rank, r in out.items()}
 
 
-def _step_ends(run: Callable, worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """In every rank: ``run(worker, args)``, the end of each local optimizer step timed (a global hook)."""
+def _step_ends(run: Callable, rank: int, args: argparse.Namespace) -> dict:
+    """In every rank: ``run(rank, args)``, the end of each local optimizer step timed (a global hook)."""
     ends: list[float] = []
     handle = register_optimizer_step_post_hook(lambda *_: ends.append(time.perf_counter()))
     try:
-        return {"result": run(worker, args), "ends": ends}
+        return {"result": saved_by(run, rank, args), "ends": ends}
     finally:
         handle.remove()
 

@@ -40,7 +40,8 @@ run "$PY" rpc_rnn/main.py
 run "$PY" rpc_pipeline_resnet/main.py
 run "$PY" rpc_pipeline_resnet/pipelining.py --world_size 2   # the same model, torch.distributed.pipelining
 # The tutorial launches this one with `torchrun --nproc_per_node 2`, which works the same,
-# but torchrun's store listens on every network interface; distkit's launcher listens on
-# loopback only, so a laptop running the quick start opens nothing to the network.
+# but torchrun's store listens on every network interface; the store distkit.prepare_spawn hosts
+# for mp.spawn's ranks listens on loopback only, so a laptop running the quick start opens nothing
+# to the network.
 run "$PY" pipelining_transformer/main.py --world_size 2
 echo; echo "=== all $TOTAL runs finished in ${SECONDS} s"

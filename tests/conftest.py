@@ -88,8 +88,16 @@ def refused_before_launch(main, argv: list[str], capsys, monkeypatch) -> str:
     # imported here: conftest must not import torch before pytest_configure hides the GPUs
     import distkit
 
+    import torch.multiprocessing
+
     # were a check to let bad input through, the test fails here instead of training
-    monkeypatch.setattr(distkit, "Job", lambda *a: pytest.fail("launched despite bad input"))
+    def launched(*args, **kwargs):
+        pytest.fail("launched despite bad input")
+
+    monkeypatch.setattr(distkit, "prepare_spawn", launched)
+    monkeypatch.setattr(torch.multiprocessing, "spawn", launched)
+    monkeypatch.setattr(distkit, "start_rank", launched)
+    monkeypatch.setattr(distkit, "launch", launched)  # the benchmarks' and make_pictures.py's launcher
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     err = capsys.readouterr().err
@@ -98,21 +106,43 @@ def refused_before_launch(main, argv: list[str], capsys, monkeypatch) -> str:
     return err
 
 
+@pytest.fixture(autouse=True)
+def signal_handling_restored() -> Iterator[None]:
+    """An example's ``main()`` run in this process leaves distkit's Ctrl+C and SIGTERM handling behind
+    (``distkit.prepare_spawn``: its handlers, SIGINT held back in this thread, Python's wakeup fd): the
+    next test, and every process it starts (a held signal is inherited), gets pytest's back."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    signal.set_wakeup_fd(wakeup)
+
+
 @pytest.fixture
-def kept_jobs(monkeypatch) -> list:
-    """Every ``distkit.Job`` an example's ``main()`` enters in this test, kept for its ``results``:
-    the user's command in this process, and the numbers underneath what it printed."""
+def kept_results(monkeypatch) -> Iterator[list[dict]]:
+    """What ``distkit.results()`` returns to an example's ``main()`` in this test, each call's
+    ``{rank: result}`` in order: the user's command in this process (its ``mp.spawn``), and the
+    numbers underneath what it printed."""
     import distkit  # not at import: no torch before pytest_configure
 
-    jobs = []
+    kept: list[dict] = []
+    read = distkit.results
 
-    class KeptJob(distkit.Job):
-        def __enter__(self):
-            jobs.append(self)
-            return super().__enter__()
+    def results() -> dict:
+        kept.append(read())
+        return kept[-1]
 
-    monkeypatch.setattr(distkit, "Job", KeptJob)
-    return jobs
+    monkeypatch.setattr(distkit, "results", results)
+    environ = dict(os.environ)
+    yield kept
+    # main()'s distkit.prepare_spawn set the launcher's environment here (MASTER_PORT, DISTKIT_RESULTS):
+    # left, it reached the ranks of a later test's torchrun, which then shared one results folder
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 # The examples as the fault and hang tests start them (tests/test_faults.py, test_hangs.py),
@@ -220,6 +250,11 @@ class Job:
         kids = children(self.proc.pid)
         return sorted(p for p in kids if b"spawn_main" in cmdline(p))
 
+    def processes(self) -> list[int]:
+        """Every live process of the job's session, the launcher's too: also those whose parent is gone
+        (a rank orphaned by its launcher's death), and multiprocessing's resource tracker."""
+        return [pid for pid in session(self.proc.pid) if pid != self.proc.pid or self.proc.poll() is None]
+
     def finish(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout)
@@ -254,6 +289,19 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def session(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (a process started with ``start_new_session``: its pid)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, _, session_id = stat.read_text().rpartition(")")[2].split()[:4]
+        except (OSError, ValueError):
+            continue
+        if int(session_id) == sid and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
 
 
 def alive(pid: int) -> bool:
@@ -323,6 +371,19 @@ def keep_weights(module, loop_name: str) -> list[dict]:
 
     setattr(module, loop_name, kept_loop)
     return kept
+
+
+def saved_result(fn, rank: int, args: argparse.Namespace):
+    """In a rank: run ``fn(rank, args)`` (an example's ``run_worker``) and return what it left with
+    ``distkit.save_result`` (None: nothing), kept from the launcher: the test's own worker returns
+    it with more beside, and ``distkit.launch`` keeps one value a rank."""
+    import distkit
+
+    saved = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distkit, "save_result", saved.__setitem__)
+        fn(rank, args)
+    return saved.get(rank)
 
 
 def _cpu_state(module) -> dict:
@@ -511,8 +572,8 @@ def _foreach_as_on_cuda(add_param_group, forced: list):
     return add
 
 
-def on_cuda_optimizer_path(fn, worker, args):
-    """``fn(worker, args)`` in a rank whose ``torch.optim`` optimizers all take the step CUDA takes
+def on_cuda_optimizer_path(fn, rank, args):
+    """``fn(rank, args)`` in a rank whose ``torch.optim`` optimizers all take the step CUDA takes
     by default (foreach). ``functools.partial(on_cuda_optimizer_path, run_worker)`` to launch it."""
     import torch
 
@@ -520,7 +581,7 @@ def on_cuda_optimizer_path(fn, worker, args):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.optim.Optimizer, "add_param_group",
                    _foreach_as_on_cuda(torch.optim.Optimizer.add_param_group, forced))
-        result = fn(worker, args)
+        result = fn(rank, args)
     # a test of this path that no optimizer took cannot fail: it fails here instead
-    assert forced, f"rank {worker.rank} built no torch.optim optimizer whose foreach was left to the device"
+    assert forced, f"rank {rank} built no torch.optim optimizer whose foreach was left to the device"
     return result

@@ -1,9 +1,9 @@
 """pipelining_transformer/train.py with a crash in the middle of a checkpoint write (for tests).
 
-Run under torchrun in place of main.py. On torchrun's first attempt, rank $KILL_RANK
+Run under torchrun in place of train.py. On torchrun's first attempt, rank $KILL_RANK
 SIGKILLs itself inside ``checkpoint.save`` of step $KILL_STEP, once ``dcp.save`` has returned
 (every rank's files and ``.metadata`` are on disk: DCP alone would load it) but before the
-``COMPLETE`` marker is written. Restarted workers run main.py unchanged.
+``COMPLETE`` marker is written. Restarted workers run train.py unchanged.
 """
 from __future__ import annotations
 

@@ -1,26 +1,29 @@
 """A job whose rank 0 returns while a gloo collective it started is still running.
 
-``tests/test_distkit.py`` runs it spawned and under torchrun, and every rank must exit 0,
-as a finished example must. Rank 1 joins the collective 2 s late, while rank 0's
+``tests/test_distkit.py`` runs it spawned and under torchrun, launched as every example is, and every
+rank must exit 0, as a finished example must. Rank 1 joins the collective 2 s late, while rank 0's
 interpreter would be tearing itself down (made to take 4 s here, as freeing a big model's
 state can). Gloo's thread then finishes the collective and asks for the GIL of an
 interpreter that is finalizing, and is ended inside a destructor: std::terminate, SIGABRT.
 pipelining_transformer --dp_size 2 died so about 1 exit in 10, its gloo thread dropping the
 all-reduced loss (with torch 2.14, dropping a C++ reference to a tensor that Python has seen
 takes the GIL); a callback on the collective's future needs the GIL on that thread as well,
-and makes it happen every time. ``distkit.exit_process`` and the spawned ranks' exit skip
-the teardown.
+and makes it happen every time. A rank's end, set up by ``distkit.start_rank`` (``distkit.exit_now``),
+skips the teardown.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distkit  # noqa: E402
@@ -42,12 +45,13 @@ class SlowToFree:
 KEPT: list[dist.ProcessGroup] = []
 
 
-def late_collective(worker: distkit.Worker, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo")
+def run_worker(rank: int, args: argparse.Namespace) -> None:
+    distkit.start_rank(rank, args)
+    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
     # gloo connects its pairs one rank after the other: rank 0, through first, must not leave while rank 1
     # still connects (once, under load: rank 1's init failed with "Connection closed by peer")
     dist.barrier()
-    if worker.rank == 0:
+    if rank == 0:
         KEPT.append(dist.group.WORLD)
         gc.set_threshold(1_000_000_000)  # no collection before the teardown's own
         SlowToFree()
@@ -61,13 +65,17 @@ def late_collective(worker: distkit.Worker, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = distkit.ArgumentParser()
-    distkit.add_launch_args(parser, world_size=2, rpc_timeout=60)
+    distkit.add_launch_args(parser, world_size=2)
     args = parser.parse_args(argv)
     distkit.check_launch_args(parser, args, min_world_size=2)
-    distkit.launch(late_collective, args)
+    if distkit.under_torchrun():
+        record(run_worker)(int(os.environ["RANK"]), args)
+    else:
+        distkit.prepare_spawn()
+        mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)
     print("job finished")
     return 0
 
 
 if __name__ == "__main__":
-    distkit.exit_process(main())
+    sys.exit(main())

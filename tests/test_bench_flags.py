@@ -169,7 +169,7 @@ def test_the_default_schedules_skip_what_a_width_cannot_run(capsys, monkeypatch)
 
 
 @pytest.mark.fast
-def test_the_issue_29_case_as_a_script():
+def test_a_bogus_split_as_a_script_is_one_line_at_once():
     """As a shell sees it: exit 2 and one line at once, not an empty table 16 s later."""
     start = time.monotonic()
     proc = run_cli("scripts/bench_pipelining_transformer.py", "--stage_layers", "bogus", timeout=60)

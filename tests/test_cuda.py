@@ -1,5 +1,5 @@
 """The GPU tier: every example on CUDA (NCCL where it has a process group) against the same
-run on the CPU. Run it with ``python -m pytest -m cuda`` (or ``bash scripts/gpu_check.sh``, which adds
+run on the CPU. Run it with ``python -m pytest -m cuda`` (or ``python scripts/gpu_check.py``, which adds
 each README command and a table); each case skips, saying how many GPUs it needs and why, where
 fewer are visible.
 

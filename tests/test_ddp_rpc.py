@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
@@ -82,7 +83,7 @@ ONE_ITERATION = ["--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "6
 
 
 @pytest.mark.fast  # also on Python 3.10 and 3.13 (.ci/run)
-def test_one_iteration_matches_single_process_maths(kept_jobs, capfd):
+def test_one_iteration_matches_single_process_maths(kept_results, capfd):
     """The RPC version's first iteration, and sharded.py's from the same --seed on as many ranks as
     trainers: the same initial weights, losses and updates (the first lookups of both trainers come
     before either step, as DDP's allreduce sits between them)."""
@@ -90,7 +91,7 @@ def test_one_iteration_matches_single_process_maths(kept_jobs, capfd):
     # kept aside for the numbers underneath, and what the run printed
     assert main(ONE_ITERATION) == 0
     printed = capfd.readouterr().out
-    out = kept_jobs[0].results[MASTER]
+    out = kept_results[0][MASTER]
     config, reports = out["config"], out["trainers"]
     assert [r.rank for r in reports] == [0, 1] and config.lr == 0.5
     # DDP broadcast rank 0's fc at construction (each trainer seeded its own differently)
@@ -117,7 +118,7 @@ def test_one_iteration_matches_single_process_maths(kept_jobs, capfd):
     assert "fc identical on all trainers: True" in printed
 
     assert sharded.main([*ONE_ITERATION, "--world_size", "2"]) == 0
-    today = kept_jobs[1].results[0]
+    today = kept_results[1][0]
     torch.testing.assert_close(today["emb_before"], out["emb_before"], rtol=0, atol=0)  # the same draws
     torch.testing.assert_close(today["emb_after"], out["emb_after"], **FLOAT32)
     for r, t in zip(reports, today["trainers"]):
@@ -155,14 +156,14 @@ SHARDED_RUN = ["--world_size", "3", "--epochs", "3", "--batches_per_epoch", "2",
 
 
 @pytest.mark.parametrize("optimizer_step", ["cpu_default", "cuda_default"])
-def test_sharded_trains_what_one_process_trains(optimizer_step, kept_jobs):
+def test_sharded_trains_what_one_process_trains(optimizer_step, kept_results):
     """sharded.py on 3 ranks (100 rows: 34, 33, 33), several epochs: every rank's loss at every step,
     the whole table and fc at the end, as one process computes them. With the optimizer step each device
     takes by default: the CPU's one tensor at a time (the user's command), CUDA's foreach (one
     list of fc's tensors and the table's DTensor crashed there)."""
     if optimizer_step == "cpu_default":
         assert sharded.main(SHARDED_RUN) == 0
-        out = kept_jobs[0].results[0]
+        out = kept_results[0][0]
     else:
         run_worker = functools.partial(on_cuda_optimizer_path, sharded.run_worker)
         out = distkit.launch(run_worker, checked_args("ddp_rpc.sharded", *SHARDED_RUN, "--threads", "1"))[0]
@@ -195,6 +196,44 @@ def test_training_keeps_trainers_in_sync_and_lowers_loss():
     for r in (first, second):
         assert len(r.losses) == 4 and all(len(epoch) == 3 for epoch in r.losses)
         assert sum(r.losses[-1]) < sum(r.losses[0]), r.losses  # same batches every epoch: learnt
+
+
+BATCH_SECONDS = 1.0  # each trainer's batches this far apart: a run several times --hang_timeout long
+
+
+def _slow_batches_worker(rank: int, args: argparse.Namespace) -> None:
+    """run_worker, whose trainers get their batches ``BATCH_SECONDS`` apart, and whose master counts
+    the end of its set-up as progress: from there, its bound is --hang_timeout (120 s before any)."""
+    from ddp_rpc import main as example
+
+    if rank < example.num_trainers(args.world_size):
+        batches = trainer.get_next_batch
+
+        def slow(rank: int, config: TrainConfig):
+            for batch in batches(rank, config):
+                time.sleep(BATCH_SECONDS)
+                yield batch
+
+        trainer.get_next_batch = slow
+    elif rank == MASTER:
+        wait = example.wait_for_trainers
+
+        def set_up_done(*given, **named):
+            distkit.progress()
+            return wait(*given, **named)
+
+        example.wait_for_trainers = set_up_done
+    example.run_worker(rank, args)
+
+
+def test_the_master_waits_longer_than_hang_timeout_its_pings_counted():
+    """The master only waits on the trainers: their answers to its pings are its progress, so a run
+    longer than --hang_timeout (8 s at 5 s) ends normally."""
+    args = make_args("--epochs", "1", "--batches_per_epoch", "8", "--batch_size", "4", "--hang_timeout", "5",
+                     "--threads", "1")
+    out = distkit.launch(_slow_batches_worker, args)[MASTER]
+    assert out["seconds"] > 8 * BATCH_SECONDS > args.hang_timeout
+    assert [len(r.losses[0]) for r in out["trainers"]] == [8, 8]
 
 
 # the default run (the README's command): tests/test_quiet_output.py
@@ -275,11 +314,11 @@ def _most_updates_at_once() -> int:
     return WATCH.most
 
 
-def _many_trainers_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+def _many_trainers_worker(rank: int, args: argparse.Namespace) -> dict | None:
     """Rank 1 is the parameter server; rank 0 runs CLIENTS trainer threads, each with its own
     DistributedOptimizer (as every trainer of the example has), stepping one shared table."""
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=60)
-    if worker.rank == 1:
+    if rank == 1:
         # both paths DistributedOptimizer may take: the functional SGD and optim.SGD's step
         for name in ("torch.optim._functional", "torch.optim.sgd"):
             module = importlib.import_module(name)
@@ -372,44 +411,45 @@ def test_a_trainer_builds_its_model_on_the_gpu_its_group_is_bound_to(monkeypatch
     assert seen[-1] == torch.device("cpu")  # gloo on the CPU: no device bound
 
 
+def fake_gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """``torch.accelerator`` sees ``n`` CUDA GPUs (through ``torch.cuda``), on any build of torch."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *_, **__: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
 @pytest.mark.fast
 def test_a_gpu_trainer_joins_its_group_bound_to_its_gpu(monkeypatch):
-    """run_worker's trainer placed on cuda:1 makes that GPU current and binds its group to it
-    (``device_id``, what _run_trainer reads back) with the agreed NCCL; a CPU trainer binds none."""
+    """run_worker's trainer 1 on a machine with a GPU per trainer makes cuda:1 current and binds its
+    group to it (``device_id``, what _run_trainer reads back) with NCCL; on a machine without, gloo
+    and no device. Both join through the trainers' own rendezvous: the launcher's store at
+    MASTER_ADDR:MASTER_PORT, under their prefix."""
     from ddp_rpc import main as example
-    from distkit import device
 
-    class Store:  # the job's store, for the backend agreement of a one-trainer group
-        def __init__(self):
-            self.data = {}
-
-        def set(self, key, value):
-            self.data[key] = value.encode() if isinstance(value, str) else value
-
-        def wait(self, keys, timeout=None):
-            pass
-
-        def get(self, key):
-            return self.data[key]
-
+    # the store the launcher hosts (distkit.prepare_spawn, or torchrun's agent), here
+    launcher = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launcher.port))
     calls, set_to = [], []
 
     def init_process_group(**kwargs):  # the call as run_worker writes it, then no further
         calls.append(kwargs)
         raise RuntimeError("joined")
 
-    monkeypatch.setattr(device, "job_store", lambda prefix: Store())
-    monkeypatch.setattr(example.distkit, "job_store", lambda prefix: "the trainers' store")
+    monkeypatch.setattr(example.distkit, "start_rank", lambda rank, args: None)  # this process stays the test's
     monkeypatch.setattr(torch.accelerator, "set_device_index", set_to.append)
     monkeypatch.setattr(example.dist, "init_process_group", init_process_group)
-    args = checked_args("ddp_rpc.main", "--world_size", "3")
-    worker = distkit.Worker(0, 3, 0, 3, "127.0.0.1", 0)
-    for where in (distkit.Placement(torch.device("cuda", 1), "nccl"), distkit.Placement(torch.device("cpu"), "gloo")):
-        monkeypatch.setattr(example, "placement", lambda worker, args, where=where: where)
+    args = checked_args("ddp_rpc.main", "--world_size", "4")
+    for gpus in (2, 0):
+        fake_gpus(monkeypatch, gpus)
         with pytest.raises(RuntimeError, match="joined"):
-            example.run_worker(worker, args)
+            example.run_worker(1, args)
     gpu, cpu = calls
-    assert gpu == {"backend": "nccl", "rank": 0, "world_size": 1, "store": "the trainers' store",
-                   "device_id": torch.device("cuda", 1), "timeout": datetime.timedelta(seconds=args.rpc_timeout)}
+    store = gpu.pop("store")
+    assert gpu == {"backend": "nccl", "rank": 1, "world_size": 2, "device_id": torch.device("cuda", 1),
+                   "timeout": datetime.timedelta(seconds=args.rpc_timeout)}
     assert set_to == [torch.device("cuda", 1)]
-    assert cpu["backend"] == "gloo" and cpu["device_id"] is None
+    assert cpu["backend"] == "gloo" and cpu["device_id"] is None and cpu["world_size"] == 2
+    # the trainers' keys land in the launcher's store, apart from RPC's
+    store.set("seen", "trainer1")
+    assert launcher.get("trainers/seen") == b"trainer1"

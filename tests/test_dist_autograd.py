@@ -53,11 +53,11 @@ def _weights() -> list[torch.Tensor]:
     return [p.detach().clone() for p in _owned["model"].parameters()]
 
 
-def _worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+def _worker(rank: int, args: argparse.Namespace) -> dict | None:
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout)
-    rpc.init_rpc(f"w{worker.rank}", rank=worker.rank, world_size=worker.world_size, rpc_backend_options=options)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=args.world_size, rpc_backend_options=options)
     result = None
-    if worker.rank == 0:
+    if rank == 0:
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
         param_rrefs = rpc.rpc_sync("w1", _make_owned, args=(7,))
         before = rpc.rpc_sync("w1", _weights)

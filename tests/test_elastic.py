@@ -75,8 +75,8 @@ def test_sigkilled_worker_is_restarted_and_the_run_equals_an_uninterrupted_one(t
         marker = checkpoint.step_dir(tmp_path / "ckpt", 4) / checkpoint.COMPLETE
         wait_until(marker.exists, job, "the step 4 checkpoint")
         first = workers_by_rank(job.proc.pid)
-        # rank 0: the rank that writes the markers, and whose death left the new group
-        # reading the dead ranks' addresses before the fix (see distkit.process_group_store)
+        # rank 0: the rank that writes the markers; the group it left behind restarts in the
+        # agent's store, under keys of the restart's own (train.py's init_distributed)
         os.kill(first[0], signal.SIGKILL)
         assert finish(job, timeout=180) == 0, job.text()
     finally:

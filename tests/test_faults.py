@@ -1,10 +1,12 @@
 """Failure behaviour of every example: fail fast and loudly, leave nothing behind, stay local.
 
-Each example is started as a user would (``python X/main.py ...`` in its own process
-group), left to train, and then broken: a worker killed with SIGKILL, the launcher sent
-SIGTERM or SIGINT, a worker that raises, a peer that stops answering RPCs. Meanwhile the
-listening sockets of the job's processes are read: a run on one machine must listen on
-loopback only.
+Each example is started as a user would (``python X/main.py ...`` in its own session), left to
+start or to train, and then broken: a rank killed with SIGKILL, the launcher sent SIGTERM or Ctrl+C,
+a rank that raises, a peer that stops answering RPCs, the launcher killed. Meanwhile the listening
+sockets of the job's processes are read: a run on one machine must listen on loopback only.
+The reports are PyTorch's own: mp.spawn's exception (``ProcessRaisedException`` with the rank's
+traceback, ``ProcessExitedException`` for a rank ended by a signal or an exit status), torchrun's
+failure summary.
 """
 from __future__ import annotations
 
@@ -17,9 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 import distkit
-from conftest import EXAMPLES, Example, Job, assert_all_gone, module_of, run_torchrun
+from conftest import EXAMPLES, Example, Job, assert_all_gone, module_of, run_cli, run_torchrun, workers_by_rank
+
+ENDED = 10  # seconds within which a signal to the launcher ends every process of the job
+
 
 def listening_addresses(pids: list[int]) -> set[str]:
     """Local addresses of the TCP sockets in LISTEN state that ``pids`` hold."""
@@ -62,9 +68,9 @@ def example(request) -> tuple[str, Example]:
     return request.param, EXAMPLES[request.param]
 
 
-# What the launcher does with a killed rank, a signal, or its own death is the same for every
-# script (mp.spawn inside distkit.Job): one RPC job and one process-group job cover it, and
-# their sockets the two kinds of rendezvous (every example and its twin took about 3 of the suite's minutes)
+# What the launch does with a killed rank, a signal, or its own death is the same for every script
+# (mp.spawn after distkit.prepare_spawn): one RPC job and one process-group job cover it, and their
+# sockets the two kinds of rendezvous (every example and its twin took about 3 of the suite's minutes)
 LAUNCHER = ["pipelining_transformer", "rpc_rnn"]
 
 
@@ -85,33 +91,106 @@ def test_sigkilled_worker_ends_the_job(launched):
         addresses = listening_addresses([job.proc.pid, *workers])
         assert addresses and all(map(_is_loopback, addresses)), addresses
         os.kill(workers[-1], signal.SIGKILL)  # the last one started: the highest rank
-        status = job.finish(timeout=60)
-        assert status != 0
-        assert f"rank {len(workers) - 1} died (signal SIGKILL)" in job.text(), job.text()
-        assert_all_gone(workers, within=10)
+        assert job.finish(timeout=60) == 1, job.text()
+        # mp.spawn's report: it ended the other ranks, and names the one killed
+        assert f"ProcessExitedException: process {len(workers) - 1} terminated with signal SIGKILL" in job.text(), \
+            job.text()
+        assert_all_gone(job.processes(), within=10)
+    finally:
+        job.kill()
+
+
+def _signalled(job: Job, sig: signal.Signals, ctrl_c: bool) -> None:
+    """``sig`` to the launcher alone (``kill``), or to every process of the job, as a terminal's Ctrl+C."""
+    if ctrl_c:
+        os.killpg(job.proc.pid, sig)
+    else:
+        job.proc.send_signal(sig)
+
+
+def _ends_at_once(job: Job, signals: list[tuple[signal.Signals, bool]]) -> None:
+    """The signals, 0.2 s apart, end every process of ``job`` within ``ENDED`` s, the launcher by the first
+    one (a shell reports 128 + it: 143, 130), and nothing prints a traceback."""
+    processes = job.processes()
+    for i, (sig, ctrl_c) in enumerate(signals):
+        if i:
+            time.sleep(0.2)
+        _signalled(job, sig, ctrl_c)
+    assert_all_gone(processes + job.processes(), within=ENDED)
+    assert job.finish(timeout=ENDED) == -signals[0][0], job.text()
+    assert "Traceback" not in job.text(), job.text()
+
+
+# (the signals, True: to the job's process group, as Ctrl+C in a terminal; False: to the launcher alone)
+SIGNALS = {"sigterm": [(signal.SIGTERM, False)], "ctrl+c": [(signal.SIGINT, True)],
+           "sigterm-twice": [(signal.SIGTERM, False), (signal.SIGTERM, False)],
+           "ctrl+c-then-sigterm": [(signal.SIGINT, True), (signal.SIGTERM, False)]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["sigterm", "ctrl+c"])
+def test_a_signal_while_mp_spawn_starts_the_ranks_ends_every_process(how):
+    """The ranks are still importing torch, with no parent-death signal yet: before, they outlived a
+    SIGTERMed launcher by 28 s (``rpc_rl/main.py --world_size 4``), and Ctrl+C, which reaches them
+    too, made each print a KeyboardInterrupt traceback (distkit/launch.py's ``_end_on_signal``)."""
+    job = Job(("rpc_rl/main.py", "--world_size", "4"))
+    try:
+        deadline = time.monotonic() + 60
+        while len(job.workers()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(job.workers()) == 4, job.text()
+        time.sleep(1)  # into torch's import (a signal in an interpreter's first milliseconds meets SIG_DFL)
+        assert "[rank" not in job.text(), job.text()  # not started yet: no rank has printed
+        _ends_at_once(job, SIGNALS[how])
     finally:
         job.kill()
 
 
 @pytest.mark.timeout(300)
-def test_signal_to_launcher_stops_every_worker(launched):
-    name, ex = launched
-    # both signals are handled alike; alternate them over the examples to keep CI short
-    sig = (signal.SIGTERM, signal.SIGINT)[LAUNCHER.index(name) % 2]
+@pytest.mark.parametrize("how", sorted(SIGNALS))
+def test_a_signal_during_training_ends_every_process(how):
+    # an RPC job: each rank has its agent's threads in C; a process group's ranks, blocked in gloo, are
+    # ended alike (test_sigkilled_launcher_takes_ranks_blocked_in_a_collective_along)
+    ex = EXAMPLES["rpc_rl"]
     job = Job(ex.argv)
     try:
         job.wait_for(ex.ready)
-        workers = job.workers()
-        job.proc.send_signal(sig)  # the launcher alone, as `kill` would (Ctrl+C reaches all)
-        assert_all_gone(workers, within=10)
-        assert job.finish(timeout=10) != 0
+        _ends_at_once(job, SIGNALS[how])
     finally:
         job.kill()
 
 
-def _faulty_worker(worker: distkit.Worker, args: argparse.Namespace):
+@pytest.mark.timeout(300)
+def test_a_signal_to_a_process_group_job_ends_every_process():
+    ex = EXAMPLES["pipelining_transformer"]
+    job = Job(ex.argv)
+    try:
+        job.wait_for(ex.ready)
+        _ends_at_once(job, SIGNALS["sigterm"])
+    finally:
+        job.kill()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_to_torchrun_ends_its_workers():
+    """torchrun's own handling stands: its workers, in sessions of their own, never see the terminal's
+    Ctrl+C; the agent stops them and exits 1 (with its SignalException's traceback)."""
+    job = Job(("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/hang_worker.py",
+               "slow", "--seconds", "600"))
+    try:
+        job.wait_for(r"rank 1 made progress")
+        ranks = workers_by_rank(job.proc.pid)
+        assert sorted(ranks) == [0, 1], job.text()
+        os.killpg(job.proc.pid, signal.SIGINT)
+        assert job.finish(timeout=60) == 1, job.text()
+        assert_all_gone([*ranks.values(), *job.processes()], within=ENDED)
+    finally:
+        job.kill()
+
+
+def _faulty_worker(rank: int, args: argparse.Namespace) -> None:
     """The example's own run_worker, with one function on one rank made to fail."""
-    if worker.rank == args.fault_rank:
+    if rank == args.fault_rank:
         module_name, path = args.fault_target.split(":")
         owner = importlib.import_module(module_name)
         *parents, attr = path.split(".")
@@ -126,36 +205,64 @@ def _faulty_worker(worker: distkit.Worker, args: argparse.Namespace):
             return original(*a, **kw)
 
         setattr(owner, attr, fail_on_second_call)
-    return importlib.import_module(args.example_module).run_worker(worker, args)
+    importlib.import_module(args.example_module).run_worker(rank, args)
 
 
 @pytest.mark.timeout(300)
-def test_raising_worker_fails_the_job_with_its_traceback(example, capfd):
+def test_raising_worker_fails_the_job_with_its_traceback(example):
     name, ex = example
     module = importlib.import_module(module_of(name))
     parser = module.build_parser()
     args = parser.parse_args(list(ex.argv[1:]))
     module.check_args(parser, args)
     args.example_module, args.fault_rank, args.fault_target = module_of(name), ex.fault_rank, ex.fault_target
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(ProcessRaisedException) as raised:
         distkit.launch(_faulty_worker, args)
-    assert exc.value.code == 1
-    err = capfd.readouterr().err
-    assert err.count("error: rank") == 1, err  # one failure report, not one per process
-    # it names the rank that raised, not an echo: directly, or (ddp_rpc's trainers run inside
-    # the master's RPC) as the worker in whose RPC the error came back
-    assert (f"error: rank {ex.fault_rank} failed" in err
-            or f"On WorkerInfo(id={ex.fault_rank}," in err), err
-    # the launcher's report holds the traceback once (PyTorch's RPC also prints an exception
-    # raised inside an RPC on the rank it ran on, before the report: not ours to silence)
-    report = err[err.index("error: rank"):]
-    assert report.count("RuntimeError: injected fault") == 1 and "Traceback" in report, err
+    report = str(raised.value)
+    # mp.spawn's report names the rank that raised, not an echo: directly, or (ddp_rpc's trainers run
+    # inside the master's RPC) as the worker in whose RPC the error came back
+    assert (raised.value.error_index == ex.fault_rank or f"On WorkerInfo(id={ex.fault_rank}," in report), report
+    assert report.count("RuntimeError: injected fault") == 1 and "Traceback" in report, report
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_a_raise_reaches_the_user_within_seconds_when_what_follows_it_blocks(launcher):
+    """tests/hang_worker.py's raise: rank 1 raises with a thread of its own left running and an atexit
+    function that never returns, and rank 0 waits on it in a recv. The raise ends rank 1 at once (mp.spawn's
+    ``sys.exit`` and torchrun's uncaught exception end the process in distkit's ``start_rank``), not by
+    --hang_timeout's 60 s: mp.spawn's report, or torchrun's summary naming rank 1 as its root cause."""
+    argv = ("tests/hang_worker.py", "raise", "--hang_timeout", "60")
+    if launcher == "spawn":
+        job = Job(argv)
+    else:
+        # a poll of 2 s, not 0.1: the agent sees both ranks ended at once, and the root cause is the error
+        # file stamped first (to the second: the raising rank exits LAST_WORDS s after its raise)
+        job = Job(("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=2",
+                   *argv))
+    try:
+        job.wait_for(r"rank 1 raises", timeout=180)
+        raised = time.monotonic()
+        assert job.finish(timeout=60) == 1, job.text()
+        took = time.monotonic() - raised
+        text = job.text()
+        assert took < 20, f"the job ended {took:.0f} s after the raise:\n{text}"
+        if launcher == "spawn":
+            assert "-- Process 1 terminated with the following error:" in text, text
+            report = text[text.index("-- Process 1 terminated"):]
+        else:
+            report = text[text.index("Root Cause (first observed failure)"):]
+            assert re.search(r"rank +: 1 \(local_rank: 1\)", report) and "error_file: <N/A>" not in report, text
+        assert "ValueError: boom from rank 1, with what follows it blocked" in report, text
+        assert "no progress" not in text, text  # no hang was reported: the raise ended it
+    finally:
+        job.kill()
 
 
 @pytest.mark.timeout(300)
 def test_four_runs_at_once_all_succeed():
-    # The ports are distkit's, the same for every example: two RPC jobs and two process-group
-    # jobs at once cover both kinds of rendezvous (each example four times took 2.5 minutes)
+    # Each job's port is picked by the OS: two RPC jobs and two process-group jobs at once cover both
+    # kinds of rendezvous (each example four times took 2.5 minutes)
     jobs = [Job(EXAMPLES[name].quick) for name in LAUNCHER for _ in range(2)]
     try:
         statuses = [job.finish(timeout=280) for job in jobs]
@@ -166,6 +273,7 @@ def test_four_runs_at_once_all_succeed():
 
 
 LOST_PEER_RPC_TIMEOUT = 20
+SPAWN_GRACE = 30  # mp.spawn gives the other ranks 30 s to take its SIGTERM, which a stopped one cannot
 
 
 @pytest.mark.timeout(300)
@@ -185,9 +293,10 @@ def test_lost_rpc_peer_times_out_instead_of_hanging():
         addresses = listening_addresses([job.proc.pid, *workers])
         assert addresses and all(map(_is_loopback, addresses)), addresses
         os.kill(workers[ex.hung_rank], signal.SIGSTOP)
-        assert job.finish(timeout=LOST_PEER_RPC_TIMEOUT + 90) == 1
-        assert f"rank {ex.driver} failed" in job.text(), job.text()
-        assert_all_gone(workers, within=10)
+        # the driver fails after --rpc_timeout; mp.spawn then SIGKILLs the stopped rank after its grace
+        assert job.finish(timeout=LOST_PEER_RPC_TIMEOUT + SPAWN_GRACE + 90) == 1, job.text()
+        assert "ProcessRaisedException" in job.text(), job.text()
+        assert_all_gone(job.processes(), within=10)
     finally:
         job.kill()
 
@@ -207,66 +316,64 @@ def test_rpc_examples_have_a_bounded_rpc_timeout(name, monkeypatch):
     module = importlib.import_module(f"{name}.main")
     args = module.build_parser().parse_args([])
     assert 0 < args.rpc_timeout <= 300
-    args.rpc_timeout = 7.0
+    args.rpc_timeout, args.world_size = 7.0, 2
     if name != "ddp_rpc":  # ddp_rpc: its lost peer is run above
+        monkeypatch.setattr(distkit, "start_rank", lambda rank, args: None)  # this process is no rank
         monkeypatch.setattr("torch.distributed.rpc.init_rpc", _capture_options)
         for rank in (0, 1):
             with pytest.raises(_Options) as given:
-                module.run_worker(distkit.Worker(rank, 2, rank, 2, "127.0.0.1", 0), args)
+                module.run_worker(rank, args)
             assert given.value.args[0].rpc_timeout == 7.0, (name, rank)
 
 
 @pytest.mark.timeout(120)
 def test_sigkilled_launcher_takes_ranks_blocked_in_a_collective_along():
     """Ranks blocked in gloo's recv run no bytecode, so mp.spawn's parent-death SIGINT never acts:
-    distkit's SIGKILL (distkit.worker.die_with_parent) ends them; without it this fails."""
+    distkit's SIGKILL (``die_with_parent``) ends them; without it this fails."""
     job = Job(("tests/hang_worker.py", "deadlock", "--hang_timeout", "0"))
     try:
         for rank in (0, 1):
             job.wait_for(rf"rank {rank} waits")
-        workers = job.workers()
+        processes = job.processes()
         time.sleep(1)  # into the recv
         job.proc.kill()
-        assert_all_gone(workers, within=10)
+        assert_all_gone(processes, within=10)
     finally:
         job.kill()
 
 
 @pytest.mark.timeout(300)
 def test_sigkilled_launcher_takes_its_workers_along(launched):
-    # workers busy computing never touch the store: a parent-death signal is what ends them
-    # (mp.spawn's SIGINT here; the test above: distkit's SIGKILL, for ranks in C calls)
+    # no cleanup runs in the launcher: the ranks' parent-death signal is what ends them
     name, ex = launched
     job = Job(ex.argv)
     try:
         job.wait_for(ex.ready)
-        workers = job.workers()
-        job.proc.kill()  # no cleanup runs in the launcher
-        assert_all_gone(workers, within=10)
+        processes = job.processes()
+        job.proc.kill()
+        assert_all_gone(processes, within=10)
     finally:
         job.kill()
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", [n for n, ex in sorted(EXAMPLES.items()) if ex.diverge])
-def test_non_finite_loss_ends_the_run(name, capfd):
+def test_non_finite_loss_ends_the_run(name):
     # rpc_rl and rpc_pipeline_resnet: tests/test_rpc_rl.py, tests/test_rpc_pipeline_resnet.py
     ex = EXAMPLES[name]
     module = importlib.import_module(module_of(name))
     parser = module.build_parser()
     args = parser.parse_args([*ex.quick[1:], *ex.diverge])
     module.check_args(parser, args)
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises((ProcessRaisedException, ProcessExitedException)) as raised:
         distkit.launch(module.run_worker, args)
-    assert exc.value.code == 1
-    err = capfd.readouterr().err
-    assert re.search(r"FloatingPointError: the loss is (nan|inf|-inf) at ", err), err
+    assert re.search(r"FloatingPointError: the loss is (nan|inf|-inf) at ", str(raised.value)), str(raised.value)
 
 
 @pytest.mark.timeout(300)
 def test_a_ranks_exception_reaches_torchruns_own_summary():
     """Under torchrun, a rank's exception (a loss that turns non-finite) is in torchrun's failure summary,
-    by PyTorch's ``@record`` around the rank (before: ``error_file: <N/A>``, the traceback on stderr only)."""
+    by PyTorch's ``@record`` around the rank (without it: ``error_file: <N/A>``, the traceback on stderr only)."""
     ex = EXAMPLES["pipelining_transformer"]
     flags = list(ex.quick[1:])
     del flags[flags.index("--world_size"):flags.index("--world_size") + 2]  # torchrun's
@@ -276,3 +383,27 @@ def test_a_ranks_exception_reaches_torchruns_own_summary():
     summary = text[text.index("Root Cause (first observed failure)"):]
     assert "error_file: <N/A>" not in summary, text
     assert re.search(r"FloatingPointError: the loss is (nan|inf|-inf) at ", summary), text
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_ends_a_job_under_torchrun_too():
+    """torchrun's own handling: rank 1 SIGKILLed, the agent ends rank 0 and exits non-zero within a minute."""
+    job = Job(("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/hang_worker.py",
+               "slow", "--seconds", "600"))
+    try:
+        job.wait_for(r"rank 1 made progress")
+        ranks = workers_by_rank(job.proc.pid)  # in sessions of their own: torchrun starts them so
+        assert sorted(ranks) == [0, 1], job.text()
+        os.kill(ranks[1], signal.SIGKILL)
+        assert job.finish(timeout=60) != 0, job.text()
+        assert_all_gone([*ranks.values(), *job.processes()], within=10)
+    finally:
+        job.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_flag_is_one_line_and_exit_2_before_any_process_starts():
+    proc = run_cli("rpc_rl/main.py", "--world_size", "1", timeout=100)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and "--world_size must be at least 2" in proc.stderr, proc.stderr
+    assert proc.stdout == "", proc.stdout

@@ -1,54 +1,56 @@
-"""Multi-host runs without machines: network namespaces joined by a bridge stand in for hosts.
+"""Several machines without machines: network namespaces joined by a bridge stand in for hosts, and each
+host runs torchrun's recipe of docs/multi_host.md, one torchrun a host.
 
-Each "host" is a network namespace with one veth interface (``eth0``, 10.231.0.i/24) on a
-bridge that lives in a namespace of its own; nothing is added to this machine's own network
-and no address outside those namespaces is used. Each host's command runs as the docs
-(docs/multi_host.md) tell a user to run it on a real machine, under ``ip netns exec`` and
-in a PID namespace of its own: TensorPipe copies tensors between processes that share a
-PID namespace with process_vm_readv (its CMA channel) instead of sending them over TCP,
-which real machines cannot do.
+Each "host" is a network namespace with one veth interface (``eth0``, 10.231.0.i/24) on a bridge that
+lives in a namespace of its own (``conftest.network_hosts``); nothing is added to this machine's own
+network. A host's torchrun runs under ``ip netns exec`` and in a PID namespace of its own: TensorPipe
+copies tensors between processes that share a PID namespace with process_vm_readv (its CMA channel)
+instead of sending them over TCP, which real machines cannot do. The interface is given in the
+environment (``GLOO_SOCKET_IFNAME``, ``TP_SOCKET_IFNAME``), as the page tells a user to.
 
-The runs must train exactly as on one host, compared with a single-host run of the same
-configuration: ddp_rpc's per-rank results (each host runs ``ddp_rpc/main.py``'s ``main``
-through ``_run_and_keep_results`` at the bottom of this file, which also saves what the
-launcher returned), pipelining_transformer's printed and logged losses (one stage per host;
-one dp replica per host; a torchrun restart on both hosts after a worker is SIGKILLed, against
-an uninterrupted run). While they run, the listening
-sockets of every host are read from /proc: distkit's processes bind where the user said
-(``--master_addr``, ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME``), never on every interface.
+- Every example once over two or three hosts, under the static rendezvous or c10d: each rank on the host
+  torchrun's numbering puts it, its output there, and what the ranks computed equal to a one-machine run
+  of the same flags (each host's script is ``tests/test_multihost.py OUT X/main.py FLAGS``, which runs
+  ``X/main.py``'s ``main`` and also saves what its ranks left for it: ``_run_and_keep_results`` below).
+- pipelining_transformer/train.py with ``--dp_size 2``: one pipeline replica per host, one checkpoint.
+- train.py's restarts (``--max-restarts``): a worker SIGKILLed or frozen restarts the job on both hosts,
+  which goes on from the newest checkpoint with the losses of an uninterrupted run (the frozen case also
+  proves the page's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it the restarted ranks never meet);
+  with no restarts left, both hosts fail.
+- A hang across hosts and a lost host: a rank SIGSTOPped, the second host lost, the first (torchrun's
+  store) lost: the ranks still running end within ``--hang_timeout`` and say why; nothing is left.
+
+While the runs go, the listening sockets of every host are read from /proc: gloo and TensorPipe bind to
+the interface the variables name, never to every interface (torchrun's own store does: its choice).
 
 Root is needed to create namespaces; elsewhere these tests skip with the reason.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import ipaddress
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 
 import distkit
-from conftest import (FLOAT32, IFNAME, PRINTED_4, REPO, Host, assert_equals_uninterrupted, children, cmdline,
+from conftest import (FLOAT32, IFNAME, PRINTED_4, REPO, Host, assert_equals_uninterrupted, checked_args,
                       ip as _ip, logged_losses, network_hosts, resumed_steps, run_cli, workers_by_rank)
 from pipelining_transformer import checkpoint
 
 SUBNET = "10.231.0"
-# The hosts are fresh private namespaces, so any port is free in them: a fixed one per
-# test (not one shared by all: a closed store's port may linger in TIME_WAIT).
-DDP_RPC_PORT, C10D_PORT, STATIC_PORT, DP_PORT, ELASTIC_PORT, USED_UP_PORT = (
-    29400, 29410, 29420, 29430, 29440, 29450)
-HOST_TIMEOUT = 200  # seconds for all hosts of one run, start-up included (slow, shared CPUs)
+HOST_TIMEOUT = 240  # seconds for all hosts of one run, start-up included (slow, shared CPUs)
+IFACES = {"GLOO_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME}  # what the page has a user export
 
 
 @dataclass
@@ -61,7 +63,7 @@ class HostRun:
 
 @pytest.fixture(scope="module")
 def hosts():
-    """Six hosts on one bridge (three, and three more for the hang cases' pairs); torn down after
+    """Six hosts on one bridge (up to three a run, and three pairs for the hang cases); torn down after
     the module's tests, failed or not."""
     with network_hosts(f"mh{os.getpid()}", 6, SUBNET) as result:
         yield result
@@ -151,166 +153,184 @@ def _assert_bound_to_own_address(run: HostRun, ignore_ports: tuple[int, ...] = (
             f"{run.host.ns} listens on {addr}:{port}, not on its own address {run.host.addr}")
 
 
-def _make_args(build_parser, check_args, *argv: str) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(list(argv))
-    check_args(parser, args)
-    return args
-
-
-# ---------------------------------------------------------------- ddp_rpc, 4 roles on 3 hosts
-
-# One iteration: every trainer updates the shared table on the parameter server whenever
-# its step gets there, so from the second iteration on a trainer's lookup may or may not
-# see the other's last update, on one host as on three (the tutorial's asynchronous design).
-# After one iteration everything is determined: both losses, fc (DDP-averaged) and the table.
-# --threads 1 everywhere: a host's processes and the single-host reference then do the
-# same arithmetic in the same order.
-DDP_RPC = ("--world_size", "4", "--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "8",
-           "--seed", "2", "--lr", "0.5", "--threads", "1")
-# host -> ranks: trainer0 (and the job's store) | trainer1 and the master | the parameter server.
-# DDP's allreduce, the RPCs to the table and the distributed backward all cross hosts.
-DDP_RPC_RANKS = ("0", "1-2", "3")
-RPC_IFACES = {"GLOO_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME}
-
-
-def _printed(pattern: str, output: str) -> list[float]:
-    return [float(x) for x in re.findall(pattern, output)]
-
-
-def test_ddp_rpc_roles_spread_over_three_hosts(hosts, tmp_path):
-    from ddp_rpc.main import build_parser, check_args, run_worker
-
-    ref = distkit.launch(run_worker, _make_args(build_parser, check_args, *DDP_RPC))[2]
-    # every machine runs the same command with its own --ranks and the master's address
-    jobs = [(host, [__file__, str(tmp_path / f"host{i}.pt"), "ddp_rpc/main.py", *DDP_RPC,
-                    "--ranks", ranks, "--master_addr", hosts[0].addr,
-                    "--master_port", str(DDP_RPC_PORT)], RPC_IFACES)
-            for i, (host, ranks) in enumerate(zip(hosts, DDP_RPC_RANKS))]
-    runs = run_on_hosts(jobs, tmp_path)
-    _assert_all_succeeded(runs)
-    results = [torch.load(tmp_path / f"host{i}.pt", weights_only=False) for i in range(3)]
-    assert [sorted(r) for r in results] == [[], [2], []]  # only the master returns something
-    out = results[1][2]  # the master ran on host 2
-
-    # trained as on one host: the same losses, the same DDP-averaged fc on both trainers,
-    # the same embedding table after both trainers' steps
-    for report, expected in zip(out["trainers"], ref["trainers"]):
-        torch.testing.assert_close(report.losses, expected.losses, **FLOAT32)
-        for name, p in expected.fc_after.items():
-            torch.testing.assert_close(report.fc_before[name], expected.fc_before[name])
-            torch.testing.assert_close(report.fc_after[name], p)
-    torch.testing.assert_close(out["emb_before"], ref["emb_before"])
-    torch.testing.assert_close(out["emb_after"], ref["emb_after"])
-    assert not torch.equal(out["emb_after"], out["emb_before"])
-    # and each trainer logged its loss on its own host (4 decimals)
-    for rank, run in ((0, runs[0]), (1, runs[1])):
-        printed = _printed(rf"\[rank {rank}\] Training done for epoch 0: loss ([\d.]+)", run.output)
-        torch.testing.assert_close(printed, ref["trainers"][rank].losses[0], rtol=0, atol=PRINTED_4)
-    assert "fc identical on all trainers: True" in runs[1].output
-
-    # binds where the user said: the store on --master_addr, gloo and TensorPipe on the
-    # interface the variables name; nothing on every interface
-    assert (hosts[0].addr, DDP_RPC_PORT) in runs[0].listening, runs[0].listening
-    for run in runs:
-        assert run.listening, f"no listening socket seen on {run.host.ns}"
-        _assert_bound_to_own_address(run)
-
-
-def test_the_store_outlives_a_rank_on_another_host_that_still_needs_it(hosts, tmp_path):
-    """Rank 0's launcher hosts the job's store; rank 1, on the second host, uses it 5 s after rank 0 is
-    done (tests/late_rank.py). The launcher waits for it, as torchrun's agents do at their exit barrier:
-    without that wait rank 1's write meets a closed store (once seen in CI as a rank whose rpc.shutdown()
-    failed; here every time)."""
-    jobs = [(host, ["tests/late_rank.py", "--ranks", str(rank), "--master_addr", hosts[0].addr,
-                    "--master_port", str(USED_UP_PORT + 5), "--threads", "1"], RPC_IFACES)
-            for rank, host in enumerate(hosts[:2])]
-    runs = run_on_hosts(jobs, tmp_path)
-    _assert_all_succeeded(runs)
-    assert "rank 1 used the job's store 5 s after rank 0 was done" in runs[1].output, _outputs(runs)
-
-
-# ------------------------------------------- pipelining_transformer, one stage per host
-
-# a tiny model; dropout 0 and SGD as in test_pipelining_transformer's equivalence tests
-TINY_MODEL = ("--dim", "16", "--n_heads", "2", "--n_layers", "2", "--vocab_size", "32",
-              "--seq_len", "8", "--batch_size", "8", "--n_microbatches", "4", "--seed", "3",
-              "--threads", "1")
-PIPELINE = (*TINY_MODEL, "--world_size", "2", "--steps", "4", "--dropout", "0",
-            "--optimizer", "sgd", "--lr", "0.1")
-PIPELINE_IFACES = {"GLOO_SOCKET_IFNAME": IFNAME}  # no RPC: TensorPipe is not used
-
-
-def _torchrun_argv(rendezvous: str, node: int, hosts: list[Host], port: int | None = None,
-                   nproc: int = 1) -> list[str]:
-    """The per-machine torchrun command of docs/multi_host.md for a 2-machine run."""
-    argv = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", str(nproc)]
+def _torchrun_argv(rendezvous: str, node: int, hosts: list[Host], port: int, nproc: int = 1,
+                   max_restarts: int | None = None) -> list[str]:
+    """docs/multi_host.md's torchrun command for machine ``node`` of ``hosts`` (after the interpreter:
+    ``-m torch.distributed.run`` is ``.venv/bin/torchrun``)."""
+    argv = ["-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc_per_node", str(nproc)]
+    if max_restarts is not None:
+        argv += ["--max-restarts", str(max_restarts)]
     if rendezvous == "static":  # node_rank fixes which machine runs which ranks
-        argv += ["--node_rank", str(node), "--master_addr", hosts[0].addr,
-                 "--master_port", str(port or STATIC_PORT)]
+        argv += ["--node_rank", str(node), "--master_addr", hosts[0].addr, "--master_port", str(port)]
     else:
-        # the host names of these namespaces resolve to 127.0.0.1 (as on many Debian
-        # machines, 127.0.1.1): say which machine hosts the rendezvous and what each
-        # machine's address is, instead of letting torchrun guess from the host name
-        argv += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts[0].addr}:{port or C10D_PORT}",
+        # the host names of these namespaces resolve to 127.0.0.1 (as on many Debian machines,
+        # 127.0.1.1): say which machine hosts the rendezvous and what each machine's address is,
+        # instead of letting torchrun guess from the host name
+        argv += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts[0].addr}:{port}",
                  "--local_addr", hosts[node].addr]
         if node == 0:
             argv += ["--rdzv_conf", "is_host=1"]
     return argv
 
 
-@pytest.mark.parametrize("rendezvous, schedule", [("c10d", "GPipe"), ("static", "1F1B")])
-def test_pipelining_transformer_one_stage_per_host(hosts, tmp_path, rendezvous, schedule):
-    from pipelining_transformer.train import build_parser, check_args, run_worker
+def _printed(pattern: str, output: str) -> list[float]:
+    return [float(x) for x in re.findall(pattern, output)]
 
-    argv = (*PIPELINE, "--schedule", schedule)
-    results = distkit.launch(run_worker, _make_args(build_parser, check_args, *argv))
-    (expected,) = [r["losses"] for r in results.values() if r["losses"] is not None]
 
-    # under torchrun, WORLD_SIZE comes from torchrun; the script is given the same flags
-    jobs = [(host, [*_torchrun_argv(rendezvous, node, hosts), "pipelining_transformer/train.py", *argv],
-             PIPELINE_IFACES) for node, host in enumerate(hosts[:2])]
+# ------------------------------------------------------------------- every example, once over hosts
+
+def _same_rpc_rl(got: dict, ref: dict) -> None:
+    assert got[0]["rewards"] == ref[0]["rewards"]  # the same actions, so the same episodes
+    for name, p in ref[0]["policy"].items():
+        torch.testing.assert_close(got[0]["policy"][name], p, msg=lambda m: f"{name}: {m}")
+
+
+def _same_rpc_rnn(got: dict, ref: dict) -> None:
+    torch.testing.assert_close(got[1]["losses"], ref[1]["losses"], **FLOAT32)  # the trainer's
+
+
+def _same_ddp_rpc(got: dict, ref: dict) -> None:
+    out, expected = got[2], ref[2]  # the master's
+    # the same losses, the same DDP-averaged fc on both trainers, the same table after both trainers' steps
+    for report, want in zip(out["trainers"], expected["trainers"], strict=True):
+        torch.testing.assert_close(report.losses, want.losses, **FLOAT32)
+        for name, p in want.fc_after.items():
+            torch.testing.assert_close(report.fc_before[name], want.fc_before[name])
+            torch.testing.assert_close(report.fc_after[name], p)
+    torch.testing.assert_close(out["emb_before"], expected["emb_before"])
+    torch.testing.assert_close(out["emb_after"], expected["emb_after"])
+    assert not torch.equal(out["emb_after"], out["emb_before"])
+
+
+def _same_resnet(got: dict, ref: dict) -> None:
+    """The master's (main.py) or the last stage's (pipelining.py) losses, for each --splits value."""
+    rank = max(ref)  # main.py: 0 alone; pipelining.py: rank 1's runs have the losses
+    assert [r["num_split"] for r in got[rank]] == [r["num_split"] for r in ref[rank]]
+    for run, want in zip(got[rank], ref[rank]):
+        assert len(want["losses"]) == 2  # the second after a step: the distributed backward's
+        torch.testing.assert_close(run["losses"], want["losses"], **FLOAT32)
+
+
+def _same_pipeline(got: dict, ref: dict) -> None:
+    """The last stage's losses: main.py's list, train.py's run."""
+    def losses(ranks: dict) -> list[float]:
+        (found,) = [v if isinstance(v, list) else v["losses"] for v in ranks.values()
+                    if (v if isinstance(v, list) else v["losses"])]
+        return found
+
+    assert len(losses(ref)) == 4
+    torch.testing.assert_close(losses(got), losses(ref), **FLOAT32)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """An example as docs/multi_host.md runs it: its script and flags (torchrun gives the world size), the
+    processes of each host (``--nproc_per_node``), the rendezvous, and what must equal a one-machine run."""
+
+    script: str
+    flags: tuple[str, ...]
+    nproc: tuple[int, ...]
+    rendezvous: str
+    same: Callable[[dict, dict], None]
+    port: int  # a port a test: a closed store's may linger in TIME_WAIT
+
+    @property
+    def module(self) -> str:
+        return self.script.removesuffix(".py").replace("/", ".")
+
+
+# --threads 1 everywhere: a host's processes and the one-machine run then do the same arithmetic in the
+# same order. Small runs, each with a step whose result crosses the hosts.
+TINY_MODEL = ("--dim", "16", "--n_heads", "2", "--n_layers", "2", "--vocab_size", "32", "--seq_len", "8",
+              "--batch_size", "8", "--n_microbatches", "4", "--seed", "3", "--threads", "1")
+PIPELINE = (*TINY_MODEL, "--steps", "4", "--dropout", "0", "--optimizer", "sgd", "--lr", "0.1")
+RESNET = ("--batch_size", "4", "--image_size", "32", "--num_batches", "2", "--num_classes", "10",
+          "--splits", "2", "--threads", "1")
+RECIPES = {
+    # the agent on the first host, its observer on the second: one observer, so one run the seed fixes
+    "rpc_rl": Recipe("rpc_rl/main.py", ("--reward_threshold", "3", "--max_episodes", "50", "--seed", "2",
+                                        "--gamma", "0.95", "--threads", "1"), (1, 1), "static", _same_rpc_rl, 29400),
+    # the parameter server and the trainer, each where the rendezvous puts it
+    "rpc_rnn": Recipe("rpc_rnn/main.py", ("--epochs", "2", "--batches", "2", "--seed", "4", "--threads", "1"),
+                      (1, 1), "c10d", _same_rpc_rnn, 29405),
+    # trainer0 | trainer1 and the master | the parameter server: DDP's allreduce, the RPCs to the table
+    # and the distributed backward all cross hosts. One iteration: from the second on, a trainer's
+    # lookup may or may not see the other's last update (the tutorial's asynchronous design)
+    "ddp_rpc": Recipe("ddp_rpc/main.py", ("--epochs", "1", "--batches_per_epoch", "1", "--batch_size", "8",
+                                          "--seed", "2", "--lr", "0.5", "--threads", "1"), (1, 2, 1), "static",
+                      _same_ddp_rpc, 29410),
+    # the master and each shard on hosts of their own
+    "rpc_pipeline_resnet": Recipe("rpc_pipeline_resnet/main.py", RESNET, (1, 1, 1), "c10d", _same_resnet, 29415),
+    "rpc_pipeline_resnet.pipelining": Recipe("rpc_pipeline_resnet/pipelining.py", RESNET, (1, 1), "static",
+                                             _same_resnet, 29420),
+    # one stage per host, the tutorial's GPipe; train.py's under c10d and 1F1B
+    "pipelining_transformer": Recipe("pipelining_transformer/main.py", PIPELINE, (1, 1), "static",
+                                     _same_pipeline, 29425),
+    "pipelining_transformer.train": Recipe("pipelining_transformer/train.py", (*PIPELINE, "--schedule", "1F1B"),
+                                           (1, 1), "c10d", _same_pipeline, 29430),
+}
+
+
+def _kept(out: Path) -> dict[int, dict]:
+    """{rank: what that rank's process kept} from ``_run_and_keep_results``'s files in ``out``."""
+    return {int(p.stem.removeprefix("rank")): torch.load(p, weights_only=False) for p in out.glob("rank*.pt")}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_example_over_hosts_computes_what_one_machine_computes(name, hosts, tmp_path):
+    recipe = RECIPES[name]
+    world_size = sum(recipe.nproc)
+    module = importlib.import_module(recipe.module)
+    reference = distkit.launch(module.run_worker, checked_args(recipe.module, *recipe.flags,
+                                                               "--world_size", str(world_size)))
+    mine = hosts[:len(recipe.nproc)]
+    jobs = [(host, [*_torchrun_argv(recipe.rendezvous, node, mine, recipe.port, nproc),
+                    __file__, str(tmp_path / f"kept{node}"), recipe.script, *recipe.flags], IFACES)
+            for node, (host, nproc) in enumerate(zip(mine, recipe.nproc))]
     runs = run_on_hosts(jobs, tmp_path)
     _assert_all_succeeded(runs)
 
-    stage_of = [re.findall(r"\[rank (\d)\] stages \[(\d)\] of 2", run.output) for run in runs]
-    assert sorted(s for found in stage_of for s in found) == [("0", "0"), ("1", "1")], _outputs(runs)
-    if rendezvous == "static":  # --node_rank i runs rank i
-        assert stage_of == [[("0", "0")], [("1", "1")]]
-    # the host with the last stage logs the loss of every step (4 decimals: atol 1e-4)
-    printed = [_printed(r"\[rank \d\] step \d+/\d+  loss ([\d.]+)", run.output) for run in runs]
-    assert sorted(map(len, printed)) == [0, len(expected)], _outputs(runs)
-    torch.testing.assert_close(max(printed, key=len), expected, rtol=0, atol=PRINTED_4,
-                               msg=lambda m: f"{m}\n{_outputs(runs)}")
+    kept = [_kept(tmp_path / f"kept{node}") for node in range(len(mine))]
+    ranks = [sorted(k) for k in kept]
+    assert sorted(r for found in ranks for r in found) == list(range(world_size)), ranks
+    assert [len(found) for found in ranks] == list(recipe.nproc), ranks  # --nproc_per_node a host
+    if recipe.rendezvous == "static":  # torchrun numbers the ranks host by host, in --node_rank order
+        assert [r for found in ranks for r in found] == list(range(world_size)), ranks
+    for found, run in zip(ranks, runs):  # each rank's output on its own host
+        printed = {int(r) for r in re.findall(r"^\[rank (\d+)\]", run.output, re.MULTILINE)}
+        assert printed <= set(found), f"{run.host.ns} runs {found} and printed {printed}:\n{_outputs(runs)}"
+    got = {rank: result for k in kept for rank_kept in k.values() for rank, result in rank_kept.items()}
+    assert sorted(got) == sorted(reference), (sorted(got), sorted(reference))
+    recipe.same(got, reference)
 
-    # gloo binds to GLOO_SOCKET_IFNAME's address; torchrun's own store (the master port,
-    # and with c10d also a port torchrun picks) is torchrun's business: see the docs
-    if rendezvous == "static":
+    # gloo and TensorPipe bind to the interface the variables name; torchrun's store (the master port,
+    # and under c10d also a port it picks) listens on every interface: torchrun's choice, see the page
+    if recipe.rendezvous == "static":
         for run in runs:
-            _assert_bound_to_own_address(run, ignore_ports=(STATIC_PORT,))
+            assert run.listening, f"no listening socket seen on {run.host.ns}"
+            _assert_bound_to_own_address(run, ignore_ports=(recipe.port,))
 
 
 # ------------------------- pipelining_transformer --dp_size 2: one pipeline replica per host
 
 # the tiny model on 4 ranks: dp=2 x pp=2, 2 micro-batches of 2 rows per replica and step
 # (a flag given twice: the last one counts)
-DP_PIPELINE = (*PIPELINE, "--world_size", "4", "--dp_size", "2", "--n_microbatches", "2",
-               "--schedule", "1F1B")
+DP_PIPELINE = (*PIPELINE, "--dp_size", "2", "--n_microbatches", "2", "--schedule", "1F1B")
+DP_PORT = 29440
 
 
 def test_pipelining_transformer_dp2_x_pp2_one_replica_per_host(hosts, tmp_path):
-    from pipelining_transformer.train import build_parser, check_args, run_worker
+    from pipelining_transformer.train import run_worker
 
-    results = distkit.launch(run_worker, _make_args(build_parser, check_args, *DP_PIPELINE))
-    (expected,) = [r["losses"] for r in results.values() if r["losses"] is not None]
+    args = checked_args("pipelining_transformer.train", *DP_PIPELINE, "--world_size", "4")
+    (expected,) = [r["losses"] for r in distkit.launch(run_worker, args).values() if r["losses"] is not None]
 
     # docs/multi_host.md's command: --nproc_per_node 2 gives each host one whole replica;
     # the checkpoint directory is shared (the namespaces share this machine's files)
     ckpt, log = tmp_path / "ckpt", tmp_path / "losses.jsonl"
-    argv = (*DP_PIPELINE, "--checkpoint_dir", str(ckpt), "--checkpoint_every", "2",
-            "--loss_log", str(log))
-    jobs = [(host, [*_torchrun_argv("static", node, hosts, port=DP_PORT, nproc=2),
-                    "pipelining_transformer/train.py", *argv], PIPELINE_IFACES)
+    argv = (*DP_PIPELINE, "--checkpoint_dir", str(ckpt), "--checkpoint_every", "2", "--loss_log", str(log))
+    jobs = [(host, [*_torchrun_argv("static", node, hosts[:2], DP_PORT, nproc=2),
+                    "pipelining_transformer/train.py", *argv], IFACES)
             for node, host in enumerate(hosts[:2])]
     runs = run_on_hosts(jobs, tmp_path)
     _assert_all_succeeded(runs)
@@ -339,69 +359,83 @@ def test_pipelining_transformer_dp2_x_pp2_one_replica_per_host(hosts, tmp_path):
     assert sorted(p.name for p in saved.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
 
 
-# --------------------- pipelining_transformer restarted by torchrun on both hosts after a kill
+# ------------- pipelining_transformer restarted by torchrun on both hosts: a worker killed or frozen
 
-# The kill comes after step 4's checkpoint is seen (polled every 0.25 s); 40 steps of ~60 ms
+# The event comes after step 4's checkpoint is seen (polled every 0.25 s); 40 steps of ~60 ms
 # leave it 2 s to come before the end. Default dropout (0.1): only the random state in the
 # checkpoint makes the resumed steps equal.
 ELASTIC_STEPS = 40
 ELASTIC = (*TINY_MODEL, "--steps", str(ELASTIC_STEPS))
+ELASTIC_PORTS = {"killed": 29450, "stopped": 29452}
+USED_UP_PORT = 29455
+RESTART_HANG = 10  # --hang_timeout of the frozen case: the frozen worker's peer ends at it
 
 
 def _elastic_jobs(hosts: list[Host], port: int, max_restarts: int, *flags: str):
-    """docs/multi_host.md's restart command on 2 hosts: c10d, a new store per restart."""
-    env = {**PIPELINE_IFACES, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return [(host, [*_torchrun_argv("c10d", node, hosts, port=port), "--max-restarts",
-                    str(max_restarts), "pipelining_transformer/train.py", *ELASTIC, *flags], env)
+    """docs/multi_host.md's restart command on 2 hosts: c10d, a new store for every restart."""
+    env = {**IFACES, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return [(host, [*_torchrun_argv("c10d", node, hosts[:2], port, max_restarts=max_restarts),
+                    "pipelining_transformer/train.py", *ELASTIC, *flags], env)
             for node, host in enumerate(hosts[:2])]
 
 
-def _kill_rank_0_once(marker: Path, killed: dict[str, int]) -> Callable[[list[int]], None]:
-    """A ``watch`` for run_on_hosts: once ``marker`` exists, SIGKILL rank 0's worker, on
-    whichever host the rendezvous put it (the rank that writes the markers and hosts the
-    store), and note that host and the pid torchrun will report."""
+def _signal_rank_0_once(marker: Path, sig: signal.Signals, done: dict[str, int]) -> Callable[[list[int]], None]:
+    """A ``watch`` for run_on_hosts: once ``marker`` exists, send ``sig`` to rank 0's worker, on
+    whichever host the rendezvous put it (the rank that writes the markers), and note that
+    host and the pid torchrun will report."""
 
     def watch(launchers: list[int]) -> None:
-        if killed or not marker.exists():
+        if done or not marker.exists():
             return
         for node, launcher in enumerate(launchers):
             if 0 in (workers := workers_by_rank(launcher)):
                 # the pid torchrun reports: the last of NSpid's, the one in the host's namespace
                 status = Path(f"/proc/{workers[0]}/status").read_text()
                 (ns_pid,) = re.findall(r"^NSpid:.*\t(\d+)$", status, re.MULTILINE)
-                os.kill(workers[0], signal.SIGKILL)
-                killed.update(node=node, pid=int(ns_pid))
+                os.kill(workers[0], sig)
+                done.update(node=node, pid=int(ns_pid))
     return watch
 
 
-def test_pipelining_transformer_sigkilled_worker_restarts_the_job_on_both_hosts(hosts, tmp_path):
-    reference = tmp_path / "uninterrupted.jsonl"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    """{step: loss} of ELASTIC's run on one machine, never stopped."""
+    reference = tmp_path_factory.mktemp("uninterrupted") / "losses.jsonl"
     proc = run_cli("pipelining_transformer/train.py", *ELASTIC, "--world_size", "2",
                    "--loss_log", str(reference), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    uninterrupted = dict(logged_losses(reference))
+    return dict(logged_losses(reference))
 
+
+@pytest.mark.parametrize("event", ["killed", "stopped"])
+def test_pipelining_transformer_restarts_the_job_on_both_hosts(event, hosts, uninterrupted, tmp_path):
+    """Rank 0's worker SIGKILLed, or SIGSTOPped: its peer on the other host ends at --hang_timeout, and
+    that host's torchrun counts the restart, while the frozen worker's restarts it without counting (its
+    worker was still alive), so the two hosts' TORCHELASTIC_RESTART_COUNT differ and no key prefix made
+    from it could be shared: the page's variable gives each restart a new store. Either way both hosts'
+    ranks resume from the same checkpoint and log the losses of an uninterrupted run."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "losses.jsonl"
-    jobs = _elastic_jobs(hosts, ELASTIC_PORT, 1, "--checkpoint_dir", str(ckpt),
-                         "--checkpoint_every", "2", "--resume", "--loss_log", str(log))
-    killed: dict[str, int] = {}
+    flags = ("--checkpoint_dir", str(ckpt), "--checkpoint_every", "2", "--resume", "--loss_log", str(log))
+    if event == "stopped":
+        flags += ("--hang_timeout", str(RESTART_HANG))
+    jobs = _elastic_jobs(hosts, ELASTIC_PORTS[event], 1, *flags)
+    hit: dict[str, int] = {}
     marker = checkpoint.step_dir(ckpt, 4) / checkpoint.COMPLETE
-    runs = run_on_hosts(jobs, tmp_path, watch=_kill_rank_0_once(marker, killed))
+    sig = signal.SIGKILL if event == "killed" else signal.SIGSTOP
+    runs = run_on_hosts(jobs, tmp_path, watch=_signal_rank_0_once(marker, sig, hit))
     _assert_all_succeeded(runs)
-    assert killed, f"rank 0 was never killed:\n{_outputs(runs)}"
-    # torchrun on the killed worker's host saw the kill, and restarted (--max-restarts 1)
-    assert f"failed (exitcode: -9) local_rank: 0 (pid: {killed['pid']})" in runs[killed["node"]].output, \
-        _outputs(runs)
+    assert hit, f"rank 0 was never {event}:\n{_outputs(runs)}"
+    if event == "killed":  # torchrun on the killed worker's host saw the kill, and restarted (--max-restarts 1)
+        assert f"failed (exitcode: -9) local_rank: 0 (pid: {hit['pid']})" in runs[hit["node"]].output, \
+            _outputs(runs)
+    else:  # the peer of the frozen rank ended at its bound; the frozen rank's host restarted on that
+        assert "[rank 1] no progress" in runs[1 - hit["node"]].output, _outputs(runs)
     # both hosts' workers resumed from the same checkpoint, with their random state
     output = "".join(run.output for run in runs)
     resumed = resumed_steps(output)
     assert len(resumed) == 2 and len(set(resumed)) == 1 and resumed[0] >= 4, _outputs(runs)
     assert output.count("random state restored") == 2, _outputs(runs)
     assert_equals_uninterrupted(log, uninterrupted, resumed[0])
-    # the store rank 0 hosts (torchrun hosts none here) listens on its host's address only;
-    # torchrun's rendezvous store (ELASTIC_PORT) listens on every interface: torchrun's choice
-    for run in runs:
-        _assert_bound_to_own_address(run, ignore_ports=(ELASTIC_PORT,))
 
 
 def test_pipelining_transformer_kill_with_no_restarts_left_fails_both_hosts(hosts, tmp_path):
@@ -412,7 +446,7 @@ def test_pipelining_transformer_kill_with_no_restarts_left_fails_both_hosts(host
     killed: dict[str, int] = {}
     marker = checkpoint.step_dir(ckpt, 2) / checkpoint.COMPLETE
     # within run_on_hosts' HOST_TIMEOUT, start-up included: no host waits for the other
-    runs = run_on_hosts(jobs, tmp_path, watch=_kill_rank_0_once(marker, killed))
+    runs = run_on_hosts(jobs, tmp_path, watch=_signal_rank_0_once(marker, signal.SIGKILL, killed))
     assert killed, f"rank 0 was never killed:\n{_outputs(runs)}"
     assert all(run.returncode != 0 for run in runs), _outputs(runs)
     # the killed worker's torchrun reports it as the root cause
@@ -423,21 +457,24 @@ def test_pipelining_transformer_kill_with_no_restarts_left_fails_both_hosts(host
 
 # -------------------------------------------- hangs across hosts: a rank or a host goes away
 
-# Three cases at once, each on a pair of hosts of its own (one launch of all, not three in
-# turn: the suite's time). Each pair runs jobs as docs/multi_host.md starts them, the pair's
-# first host with rank 0 and the job's store, its second with rank 1: the pipeline and
-# rpc_rnn (rank 0 the parameter server, an idle RPC server; rank 1 the trainer) under
-# torchrun's static rendezvous, and for a stopped rank also the pipeline under distkit's
-# launcher (--ranks). A host whose only rank is stopped waits until it is resumed or killed
-# (docs/failures.md): once the first host's side has ended, the test kills it, as its user would.
+# Three cases at once, each on a pair of hosts of its own (one launch of all, not three in turn: the
+# suite's time). Each pair runs jobs as docs/multi_host.md starts them (the static rendezvous), the
+# pair's first host with rank 0 and torchrun's store, its second with rank 1: the pipeline, and
+# rpc_rnn (rank 0 the parameter server, which only waits; rank 1 the trainer). A host whose only rank is
+# stopped waits until it is resumed or killed (docs/failures.md): once the first host's side has ended,
+# the test kills it, as its user would.
 HANG = 5  # --hang_timeout
 HANG_FLAGS = ("--hang_timeout", str(HANG), "--threads", "1")
 PIPELINE_HANG = ("pipelining_transformer/train.py", *TINY_MODEL, "--steps", "100000")
 RNN_HANG = ("rpc_rnn/main.py", "--epochs", "100000", "--batches", "2")
 HANG_READY = {"pipelining_transformer": r"step 2/", "rpc_rnn": r"epoch 2\t"}  # rank 1, under way
+# each case's examples: the hang bound is each rank's own, the same code in every example (on one
+# machine, tests/test_hangs.py runs each kind); a lost host once per example kind
+HANG_CASES = {"rank_stopped": ("pipelining_transformer", "rpc_rnn"), "second_host_lost": ("pipelining_transformer",),
+              "first_host_lost": ("rpc_rnn",)}
 HANG_PORTS = {"rank_stopped": 29460, "second_host_lost": 29470, "first_host_lost": 29480}
 # s from the event to the last of its pair's processes ending (rank_stopped: of the first host's):
-# --hang_timeout and the peers' wait for stacks, the store's bound (first_host_lost), plus a loaded machine
+# --hang_timeout and the peers' wait for stacks, torchrun's ending of its workers, a loaded machine
 HANG_BOUND = 45
 
 
@@ -445,33 +482,20 @@ HANG_BOUND = 45
 class HangJob:
     case: str
     example: str
-    launcher: str  # "torchrun" or "distkit"
     node: int  # 0: the pair's first host
 
 
 def _hang_jobs(hosts: list[Host]) -> tuple[list[HangJob], list[tuple[Host, list[str], dict[str, str]]]]:
     """Every case's jobs, on its own pair of hosts."""
     found, commands = [], []
-    for k, case in enumerate(HANG_PORTS):
+    for k, (case, examples) in enumerate(HANG_CASES.items()):
         pair = hosts[2 * k:2 * k + 2]
-        # the watchdog and the store are distkit's, one for every example: a lost host once
-        # per case (on one machine: tests/test_hangs.py runs each kind of example)
-        kinds = {"rank_stopped": [("pipelining_transformer", "torchrun"), ("rpc_rnn", "torchrun"),
-                                  ("pipelining_transformer", "distkit")],
-                 "second_host_lost": [("pipelining_transformer", "torchrun")],
-                 "first_host_lost": [("rpc_rnn", "torchrun")]}[case]
-        for i, (example, launcher) in enumerate(kinds):
+        for i, example in enumerate(examples):
             argv = PIPELINE_HANG if example == "pipelining_transformer" else RNN_HANG
-            ifaces = PIPELINE_IFACES if example == "pipelining_transformer" else RPC_IFACES
-            port = HANG_PORTS[case] + i
             for node, host in enumerate(pair):
-                if launcher == "torchrun":
-                    cmd = [*_torchrun_argv("static", node, pair, port=port), *argv]
-                else:
-                    cmd = [*argv, "--world_size", "2", "--ranks", str(node), "--master_addr",
-                           pair[0].addr, "--master_port", str(port)]
-                found.append(HangJob(case, example, launcher, node))
-                commands.append((host, [*cmd, *HANG_FLAGS], ifaces))
+                found.append(HangJob(case, example, node))
+                commands.append((host, [*_torchrun_argv("static", node, pair, HANG_PORTS[case] + i), *argv,
+                                        *HANG_FLAGS], IFACES))
     return found, commands
 
 
@@ -487,27 +511,19 @@ def _lose_host(host: Host) -> None:
             pass
 
 
-def _rank_1_worker(job: HangJob, launcher: int) -> int:
-
-    if job.launcher == "torchrun":
-        return workers_by_rank(launcher)[1]
-    (worker,) = [p for p in children(launcher) if b"spawn_main" in cmdline(p)]  # --ranks 1
-    return worker
-
-
 @pytest.mark.timeout(600)
 def test_a_hang_across_hosts_ends_the_job(hosts, tmp_path):
-    """A rank on the second host SIGSTOPped, the second host lost, or the first lost (it
-    holds the job's store, and so the watchdogs'): the ranks still running end within the
-    bound and say why, and nothing is left running on either host."""
+    """A rank on the second host SIGSTOPped, the second host lost, or the first lost (it holds torchrun's
+    store): the ranks still running end within the bound, each with its stacks and why (torchrun's
+    summary names it), and nothing is left running on either host."""
     jobs, commands = _hang_jobs(hosts)
-    pair_of = {case: hosts[2 * k:2 * k + 2] for k, case in enumerate(HANG_PORTS)}
+    pair_of = {case: hosts[2 * k:2 * k + 2] for k, case in enumerate(HANG_CASES)}
     start: dict[str, float] = {}
     took: dict[str, float] = {}
     stopped: list[int] = []  # the stopped ranks, killed once the first host's side has ended
 
     def watch(launchers: list[int]) -> None:
-        for case in HANG_PORTS:
+        for case in HANG_CASES:
             mine = [(j, pid) for j, pid in zip(jobs, launchers) if j.case == case]
             if case not in start:
                 if all(re.search(HANG_READY[j.example], (tmp_path / f"host{i}.log").read_text())
@@ -516,7 +532,7 @@ def test_a_hang_across_hosts_ends_the_job(hosts, tmp_path):
                     if case == "rank_stopped":
                         for j, pid in mine:
                             if j.node == 1:
-                                stopped.append(_rank_1_worker(j, pid))
+                                stopped.append(workers_by_rank(pid)[1])
                                 os.kill(stopped[-1], signal.SIGSTOP)
                     else:
                         _lose_host(pair_of[case][1 if case == "second_host_lost" else 0])
@@ -536,7 +552,7 @@ def test_a_hang_across_hosts_ends_the_job(hosts, tmp_path):
     for case in start.keys() - took.keys():  # the last to end: run_on_hosts returned then
         took[case] = time.monotonic() - start[case]
     text = _outputs(runs)
-    assert sorted(start) == sorted(HANG_PORTS), f"not all under way ({sorted(start)}):\n{text}"
+    assert sorted(start) == sorted(HANG_CASES), f"not all under way ({sorted(start)}):\n{text}"
     slow = {case: round(t) for case, t in took.items() if t >= HANG_BOUND}
     assert not slow, f"ended too late: {slow}:\n{text}"
     for job, run in zip(jobs, runs):
@@ -544,38 +560,41 @@ def test_a_hang_across_hosts_ends_the_job(hosts, tmp_path):
         assert not subprocess.run(["ip", "netns", "pids", run.host.ns], capture_output=True,
                                   text=True).stdout, f"left running on {run.host.ns}:\n{text}"
         out = run.output
-        if job.case == "rank_stopped" and job.node == 0:
-            # rank 0 names rank 1 and prints its own stacks
-            assert re.search(r"rank 1 (did not answer|stopped answering)", out), text
-            assert "[rank 0] stacks (every thread)" in out, text
-        elif job.case == "rank_stopped":  # killed by the test, and its launcher says so
-            assert "[rank 1] stacks" not in out, text
-            assert ("exitcode  : -9" in out if job.launcher == "torchrun" else
-                    "rank 1 died (signal SIGKILL)" in out), text
-        elif job.case == "second_host_lost" and job.node == 0:
-            assert re.search(r"rank 1 (did not answer|stopped answering)", out), text
-        elif job.case == "first_host_lost" and job.node == 1:  # the store's host is lost
-            assert "rank 1: the job's rendezvous store has not answered for" in out, text
+        survivor = {"rank_stopped": 0, "second_host_lost": 0, "first_host_lost": 1}[job.case]
+        if job.node == survivor:
+            # the rank still running says why it ends, prints its stacks, and torchrun's summary names it
+            rank = survivor
+            assert f"[rank {rank}] no progress" in out and f"over --hang_timeout {HANG:g}: a hang" in out, text
+            assert "most recent call first" in out, text
+            report = out[out.index("Root Cause (first observed failure)"):]
+            assert f"rank      : {rank} (local_rank: 0)" in report and "TimeoutError" in report, text
+        elif job.case == "rank_stopped":  # killed by the test, and its torchrun says so
+            assert "exitcode  : -9" in out, text
 
 
 # ------------------------------------------------------- one host's command, results kept
 
 def _run_and_keep_results(argv: list[str]) -> int:
-    """``python tests/test_multihost.py OUT.pt X/main.py FLAGS``: run ``X/main.py FLAGS``
-    exactly as ``python X/main.py FLAGS`` does, and also save what its ``distkit.Job``
-    collected on this machine (``{rank: result}`` for the ranks it ran) to OUT.pt."""
+    """``tests/test_multihost.py OUT X/main.py FLAGS``, torchrun's script in place of ``X/main.py FLAGS``:
+    runs ``X/main.py``'s ``main(FLAGS)`` as ``python X/main.py FLAGS`` does, and also saves what this
+    rank left for it (``distkit.save_result``: ``{rank: result}``, read by ``distkit.results``) to
+    ``OUT/rank<RANK>.pt``, an empty dict where it left none."""
     out, script, *flags = argv
+    kept: dict = {}
+    read = distkit.results
 
-    class KeptJob(distkit.Job):
-        def __exit__(self, *exc):
-            try:
-                return super().__exit__(*exc)
-            finally:
-                torch.save(self.results, out)
+    def results() -> dict:
+        found = read()
+        kept.update(found)
+        return found
 
-    distkit.Job = KeptJob  # main.py launches inside `with distkit.Job(args) as job`
+    distkit.results = results  # what main() reads after its rank's run_worker
     example = importlib.import_module(script.removesuffix(".py").replace("/", "."))
-    return example.main(flags)
+    status = example.main(flags)
+    kept.update(read())  # what main() did not read
+    os.makedirs(out, exist_ok=True)
+    torch.save(kept, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
+    return status
 
 
 if __name__ == "__main__":

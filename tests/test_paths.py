@@ -3,7 +3,7 @@
 A run must never train and then fail on a path: for each example and benchmark,
 and each path flag, a file where a directory is wanted (or as its parent), a file to read that
 is missing or a directory, and a place that cannot be written are each refused in one line
-with exit status 2, through the same ``main()`` a user runs, before ``distkit.launch``.
+with exit status 2, through the same ``main()`` a user runs, before any process starts.
 """
 from __future__ import annotations
 

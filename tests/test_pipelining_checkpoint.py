@@ -19,10 +19,9 @@ import torch.distributed as dist
 
 import distkit
 from conftest import REPO, checked_args, logged_losses, refused_before_launch, run_cli
-from pipelining_transformer import checkpoint
+from pipelining_transformer import checkpoint, extras
 from pipelining_transformer.cli import data_settings_from
-from pipelining_transformer.train import build_rank, init_distributed, main, model_args_from
-from pipelining_transformer.main import placement
+from pipelining_transformer.train import build_rank, init_distributed, main, model_args_from, train
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 
 # dropout 0 for the comparisons across splits: another layout draws other dropout masks
@@ -113,12 +112,12 @@ def _optimizer_step(pp) -> None:
         opt.step()
 
 
-def _train_save_continue(worker: distkit.Worker, args: argparse.Namespace) -> list[float] | None:
+def _train_save_continue(rank: int, args: argparse.Namespace) -> list[float] | None:
     """Train SAVED_AT steps (2 stages), checkpoint, then take one step more and one forward.
 
     With args.load: build the stages from other weights, load the checkpoint instead.
     """
-    env = init_distributed(worker, placement(worker, args))
+    env = init_distributed(rank, args)
     # the loading run starts from different weights: only the checkpoint can make them agree
     pp = build_rank(argparse.Namespace(**{**vars(args), "seed": args.seed + args.load}), env)
     parts = [(s.submod, opt) for s, opt in zip(pp.stages, pp.optimizers)]
@@ -174,6 +173,37 @@ def test_checkpoint_loads_into_four_stages_and_into_one_process(tmp_path):
             loss.backward()
             opt.step()
     torch.testing.assert_close(torch.tensor(one_process), torch.tensor(two_stages))
+
+
+def _idle_around_a_save(rank: int, args: argparse.Namespace) -> dict:
+    """train.py's run, with ``idle`` seconds of no progress (no forward, no optimizer step) before step 1's
+    checkpoint, inside each save and after step 1's: 1.5 x --hang_timeout together, none over it alone."""
+    idle = 0.5 * args.hang_timeout
+    save = checkpoint.dcp.save
+
+    def slow_save(state: dict, **kwargs):
+        time.sleep(idle)
+        return save(state, **kwargs)
+
+    class Idle(extras.StepCallback):
+        def on_step_end(self, step: int, loss: float | None) -> None:
+            if step == 0:
+                time.sleep(idle)
+
+    checkpoint.dcp.save = slow_save  # this rank's process only
+    env = init_distributed(rank, args)
+    result = train(args, env, callbacks_for=lambda a, pp: [Idle(), *extras.callbacks_for(a, pp), Idle()])
+    dist.destroy_process_group()
+    return result
+
+
+def test_a_checkpoint_save_counts_as_progress_for_the_hang_bound(tmp_path):
+    # without distkit.progress() around the save, 1.5 x --hang_timeout without progress: a "hang" (exit 1)
+    args = make_args(*TINY, "--world_size", "2", "--steps", "2", "--checkpoint_dir", str(tmp_path),
+                     "--checkpoint_every", "1", "--hang_timeout", "5")
+    results = distkit.launch(_idle_around_a_save, args)
+    assert [len(results[rank]["losses"] or []) for rank in (0, 1)] == [0, 2]  # rank 1 reports
+    assert checkpoint.latest_complete(tmp_path) == checkpoint.step_dir(tmp_path, 2)
 
 
 def _one_step(args: argparse.Namespace) -> tuple[Transformer, torch.optim.Optimizer]:

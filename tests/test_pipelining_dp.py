@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.spawn import ProcessException
 
 import distkit
 from conftest import PRINTED_4, checked_args, on_cuda_optimizer_path, refused_before_launch, run_cli
@@ -23,7 +24,6 @@ from pipelining_recorded import train_recorded
 from distkit.schedules import SCHEDULES
 from pipelining_transformer import checkpoint
 from pipelining_transformer.train import init_distributed, main, model_args_from
-from pipelining_transformer.main import placement
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 
 # dropout 0 and SGD, as in test_pipelining_transformer.py (same reasons); 16 rows: 2 replicas
@@ -50,9 +50,9 @@ def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().cpu().clone()
 
 
-def _dp_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+def _dp_worker(rank: int, args: argparse.Namespace) -> dict:
     """One step of the example's own loop (``train.train``) per (schedule, split) in args.runs."""
-    env = init_distributed(worker, placement(worker, args), args.dp_size)
+    env = init_distributed(rank, args)
     out = {"dp_rank": env.dp_rank, "pp_rank": env.pp_rank}
     for schedule, split in args.runs:
         run_args = argparse.Namespace(**{**vars(args), "schedule": schedule, "split": split})
@@ -72,8 +72,8 @@ def _launch(world_size: int, dp_size: int) -> tuple[argparse.Namespace, dict | s
     args.runs = runs
     try:
         return args, distkit.launch(_dp_worker, args)
-    except SystemExit:  # the launcher printed the failed rank's traceback
-        return args, "the launch failed (its traceback is in the captured stderr)"
+    except ProcessException as e:  # mp.spawn's report, with the failed rank's traceback
+        return args, f"the launch failed: {e}"
 
 
 @functools.cache

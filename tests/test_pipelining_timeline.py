@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import distkit
-from conftest import REPO, checked_args
+from conftest import REPO, checked_args, refused_before_launch
 from distkit.schedules import SCHEDULES, num_stages_for, stage_indices_for
 from pipelining_transformer import train as example
 
@@ -139,13 +139,7 @@ def test_trace_holds_every_action_the_schedule_ran(tmp_path):
 
 
 def test_trace_into_a_file_is_refused_before_launch(tmp_path, capsys, monkeypatch):
-    import distkit
-
-    monkeypatch.setattr(distkit, "Job", lambda *a: pytest.fail("launched despite bad --trace"))
     file = tmp_path / "not_a_dir"
     file.write_text("")
-    with pytest.raises(SystemExit) as exit_:
-        example.main([*TINY, "--trace", str(file)])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is a file, not a directory" in err, err
+    err = refused_before_launch(example.main, [*TINY, "--trace", str(file)], capsys, monkeypatch)
+    assert "is a file, not a directory" in err, err

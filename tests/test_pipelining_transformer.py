@@ -17,6 +17,8 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
+from torch.multiprocessing.spawn import ProcessException
 
 import distkit
 from conftest import PRINTED_4, TINY_GPT, checked_args, on_cuda_optimizer_path, refused_before_launch, run_cli, run_torchrun
@@ -24,7 +26,6 @@ from pipelining_recorded import train_recorded
 from distkit.schedules import SCHEDULES, stage_indices_for
 from pipelining_transformer import main as tutorial
 from pipelining_transformer.train import init_distributed, main, model_args_from
-from pipelining_transformer.main import placement
 from pipelining_transformer.model import Transformer, make_optimizer, synthetic_batch, tokenwise_loss_fn
 from pipelining_transformer.balance import HalfLayer, choose_split
 from pipelining_transformer.layout import StageLayout, stage_bounds, stage_layout
@@ -154,9 +155,9 @@ def test_stage_placement_follows_each_schedule():
     assert stage_indices_for("DualPipeV", 3, 4) == [3, 4]
 
 
-def _equivalence_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+def _equivalence_worker(rank: int, args: argparse.Namespace) -> dict:
     """One step of every (schedule, split) in args.runs, from the same initial weights."""
-    env = init_distributed(worker, placement(worker, args))
+    env = init_distributed(rank, args)
     out = {}
     for run in args.runs:  # (schedule, split) or (schedule, split, stage_layers)
         schedule, split, *layers = run
@@ -177,8 +178,8 @@ def _launch(world_size: int) -> tuple[argparse.Namespace, dict | str]:
     args.runs = runs
     try:
         return args, distkit.launch(_equivalence_worker, args)
-    except SystemExit:  # the launcher printed the failed rank's traceback
-        return args, f"the {world_size}-rank launch failed (its traceback is in the captured stderr)"
+    except ProcessException as e:  # mp.spawn's report, with the failed rank's traceback
+        return args, f"the {world_size}-rank launch failed: {e}"
 
 
 @functools.cache
@@ -291,33 +292,18 @@ def test_cli_training_run_lowers_the_loss():
     assert losses[-1] < 0.75 * losses[0], losses  # about 4.2 -> 2.5 (dropout 0.1 on)
 
 
-def finished_job(results: dict) -> type:
-    """A stand-in for distkit.Job: main's launch, as if its ranks had run and returned ``results``."""
-    class FinishedJob:
-        torchrun = True
-
-        def __init__(self, args):
-            self.results = results
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def run(self, fn, args):
-            pass
-
-    return FinishedJob
+def finished_run(monkeypatch, results: dict) -> None:
+    """main()'s launch, as if its ranks had run and saved ``results``."""
+    monkeypatch.setattr(distkit, "prepare_spawn", lambda: None)
+    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *args, **kwargs: None)
+    monkeypatch.setattr(distkit, "results", lambda: results)
 
 
 @pytest.mark.parametrize("first_step, status", [(0, 1), (8, 0)])
 def test_exit_status_judges_the_loss_of_a_run_from_step_0_only(first_step, status, monkeypatch, capsys):
-    # what run_worker returned on the ranks: the reporting one's loss rose
-    results = {0: {"losses": None, "first_step": first_step},
-               1: {"losses": [2.2372, 2.2731, 2.2869], "first_step": first_step}}
-
-    monkeypatch.setattr(distkit, "Job", finished_job(results))
+    # what run_worker saved on the ranks: the reporting one's loss rose
+    finished_run(monkeypatch, {0: {"losses": None, "first_step": first_step},
+                               1: {"losses": [2.2372, 2.2731, 2.2869], "first_step": first_step}})
     assert main(["--world_size", "2"]) == status
     # a resumed run that is not judged says nothing; one from step 0 says why it failed
     assert capsys.readouterr().err == ("The loss did not fall: 2.2372 -> 2.2869\n" if status else "")
@@ -376,9 +362,9 @@ def test_bad_input_from_the_command_line_is_one_line_exit_2():
 MAIN_RUNS = [(schedule, split) for schedule in tutorial.SCHEDULES for split in SPLITS]
 
 
-def _main_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+def _main_worker(rank: int, args: argparse.Namespace) -> dict:
     """main.py's ``run_worker``, with its ``train`` once per (schedule, split): the losses it returns."""
-    pp = tutorial.init_distributed(worker, tutorial.placement(worker, args))
+    pp = tutorial.init_distributed(rank, args)
     out = {}
     for schedule, split in MAIN_RUNS:
         out[schedule, split] = tutorial.train(argparse.Namespace(**{**vars(args), "schedule": schedule,
@@ -422,7 +408,7 @@ def test_main_py_trains_as_one_process():
 
 @pytest.mark.parametrize("losses, status", [([2.2372, 2.2731, 2.2869], 1), ([2.2372, 2.1], 0)])
 def test_main_py_exits_1_if_the_loss_did_not_fall(losses, status, monkeypatch, capsys):
-    monkeypatch.setattr(distkit, "Job", finished_job({0: [], 1: losses}))
+    finished_run(monkeypatch, {0: [], 1: losses})
     assert tutorial.main(["--world_size", "2"]) == status
     assert capsys.readouterr().err == ("The loss did not fall: 2.2372 -> 2.2869\n" if status else "")
 

@@ -22,7 +22,8 @@ import torch.nn as nn
 import torch.optim as optim
 
 import distkit
-from conftest import REPO, Here, keep_weights, on_cuda_optimizer_path, refused_before_launch, run_cli, run_torchrun
+from conftest import (REPO, Here, keep_weights, on_cuda_optimizer_path, refused_before_launch, run_cli, run_torchrun,
+                      saved_result)
 import rpc_pipeline_resnet.main as rpc_example
 import rpc_pipeline_resnet.pipelining as pp_example
 from distkit.schedules import schedule_problem
@@ -40,19 +41,18 @@ LOSS_TOL = {"rtol": 1e-4, "atol": 1e-5}
 WEIGHT_TOL = {"rtol": 1e-3, "atol": 2e-3}  # two steps apart, as in test_rpc_pipeline_resnet
 
 
-def _rpc_worker(worker: distkit.Worker, args: argparse.Namespace):
-    """main.py's run_worker, with the shards' weights kept (this process only)."""
+def _rpc_worker(rank: int, args: argparse.Namespace):
+    """main.py's run_worker (--trace started by its first line), with the shards' weights kept (the
+    master only)."""
     kept = keep_weights(rpc_example, "run_master")
-    with distkit.profiled(args.trace, f"rank{worker.rank}"):  # as distkit.Job(args, trace=args.trace) runs it
-        runs = rpc_example.run_worker(worker, args)
+    runs = saved_result(rpc_example.run_worker, rank, args)
     return runs and [run | weights for run, weights in zip(runs, kept)]
 
 
-def _pp_worker(worker: distkit.Worker, args: argparse.Namespace):
-    """pipelining.py's run_worker, with this rank's stage's weights kept."""
+def _pp_worker(rank: int, args: argparse.Namespace):
+    """pipelining.py's run_worker (--trace started by its first line), with this rank's stage's weights kept."""
     kept = keep_weights(pp_example, "run_pipeline")
-    with distkit.profiled(args.trace, f"rank{worker.rank}"):  # as distkit.Job(args, trace=args.trace) runs it
-        runs = pp_example.run_worker(worker, args)
+    runs = saved_result(pp_example.run_worker, rank, args)
     return [run | weights for run, weights in zip(runs, kept)]
 
 
@@ -222,7 +222,7 @@ def test_bad_input_cli_is_one_line_exit_2():
 
 
 class _Launched(Exception):
-    """Raised where main() would start the job."""
+    """Raised where a rank would set itself up, with the flags it was given."""
 
 
 @pytest.mark.fast
@@ -232,23 +232,25 @@ class _Launched(Exception):
 def test_the_tutorial_functions_hold_no_measurement(module, loop, params, argv, tmp_path, monkeypatch):
     """The loop takes its arguments alone, no hook (the benchmark, the pictures and the tests patch the
     model and the optimizer from outside: scripts/resnet_meters.py, keep_weights); run_worker starts no
-    profiler; main() hands --trace to distkit.Job, which runs each rank under it."""
+    profiler; main() spawns run_worker as the tutorial does, and its first line, distkit.start_rank, gets
+    --trace (it runs the rank under the profiler)."""
     assert list(inspect.signature(getattr(module, loop)).parameters) == params
     source = inspect.getsource(module.run_worker)
     assert "profile" not in source and "record_function" not in source, source
-    given = {}
+    spawned = {}
 
-    class Job:
-        def __init__(self, args: argparse.Namespace, **kwargs) -> None:
-            given.update(kwargs)
+    def spawn(fn, args, nprocs, join):
+        spawned.update(fn=fn, nprocs=nprocs, join=join)
+        fn(0, *args)
 
-        def __enter__(self):
-            raise _Launched()
+    def start_rank(rank: int, args: argparse.Namespace) -> None:
+        raise _Launched(rank, args)
 
-        def __exit__(self, *exc) -> bool:
-            return False
-
-    monkeypatch.setattr(distkit, "Job", Job)
-    with pytest.raises(_Launched):
+    monkeypatch.setattr(distkit, "prepare_spawn", lambda: None)
+    monkeypatch.setattr(module.mp, "spawn", spawn)
+    monkeypatch.setattr(distkit, "start_rank", start_rank)
+    with pytest.raises(_Launched) as started:
         module.main([*argv, "--trace", str(tmp_path)])
-    assert given == {"trace": str(tmp_path)}
+    rank, args = started.value.args
+    assert spawned == {"fn": module.run_worker, "nprocs": args.world_size, "join": True}
+    assert rank == 0 and args.trace == str(tmp_path)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,11 @@ import torch.nn as nn
 import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 import distkit
-from conftest import Here, checked_args, keep_weights, refused_before_launch, run_cli, run_torchrun, state_copy
+from conftest import (Here, checked_args, keep_weights, refused_before_launch, run_cli, run_torchrun, saved_result,
+                      state_copy)
 import rpc_pipeline_resnet.main as example
 from rpc_pipeline_resnet.main import (WORKERS, feature_size,
                                       main, run_worker)
@@ -49,10 +53,11 @@ def _grads(module_rref: RRef, context_id: int) -> dict[str, torch.Tensor]:
             for name, p in module_rref.local_value().named_parameters()}
 
 
-def _pipeline_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    if worker.rank != 0:
-        return run_worker(worker, args)  # a shard host, exactly as in the example
-    rpc.init_rpc("master", rank=0, world_size=worker.world_size,
+def _pipeline_worker(rank: int, args: argparse.Namespace) -> dict | None:
+    if rank != 0:
+        run_worker(rank, args)  # a shard host, exactly as in the example
+        return None
+    rpc.init_rpc("master", rank=0, world_size=args.world_size,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.rpc_timeout,
                                                                      _transports=["uv"]))
     model = DistResNet50(TRAIN_SPLIT, WORKERS, ("cpu", "cpu"), num_classes=NUM_CLASSES)
@@ -161,26 +166,60 @@ def test_eval_forward_matches_shards_in_one_process(job, k, one_thread):
     torch.testing.assert_close(job["eval"][k], expected, **TOL)
 
 
-def _kept_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+def _kept_worker(rank: int, args: argparse.Namespace) -> dict | None:
     """The example's run_worker, as main() launches it (so its run_master, the tutorial's
-    loop), with the shards' weights kept before the first batch and after the last, under
-    --trace's profiler as ``distkit.Job(args, trace=args.trace)`` runs every rank."""
+    loop, and --trace's profiler, which its first line starts), with the shards' weights kept
+    before the first batch and after the last."""
     kept = keep_weights(example, "run_master")
-    with distkit.profiled(args.trace, f"rank{worker.rank}"):
-        runs = run_worker(worker, args)
+    runs = saved_result(run_worker, rank, args)
     return {"runs": runs, "weights": kept} if runs is not None else None
 
 
-def test_a_diverging_run_stops_with_an_error(capfd):
+SLOW = 8.0  # seconds shard 2 takes over the second batch, above --hang_timeout 5
+
+
+def _busy_shards_worker(rank: int, args: argparse.Namespace) -> None:
+    """run_worker, with shard 2's second forward SLOW s long; the shards count every moment as
+    progress (as a busy shard's layers would), so only the master's own bound is tried."""
+    if rank != 0:
+        def busy() -> None:
+            while True:
+                distkit.progress()
+                time.sleep(0.2)
+
+        threading.Thread(target=busy, daemon=True).start()
+        forward, calls = ResNetShard2.forward, []
+
+        def slow_forward(self: ResNetShard2, x_rref: RRef) -> torch.Tensor:
+            calls.append(None)
+            if len(calls) == 2:
+                time.sleep(SLOW)
+            return forward(self, x_rref)
+
+        ResNetShard2.forward = slow_forward
+    run_worker(rank, args)
+
+
+def test_the_master_waits_longer_than_hang_timeout_its_pings_counted():
+    """The master only waits while its shards compute: their answers to its pings are its
+    progress, so a batch longer than --hang_timeout (8 s at 5 s) ends normally."""
+    args = make_args("--world_size", "3", "--threads", "1", "--batch_size", "4", "--image_size", "32",
+                     "--num_classes", "10", "--splits", "1", "--num_batches", "2", "--hang_timeout", "5")
+    runs = distkit.launch(_busy_shards_worker, args)[0]
+    assert len(runs) == 1 and len(runs[0]["losses"]) == 2
+    assert runs[0]["time"] > SLOW > args.hang_timeout
+
+
+def test_a_diverging_run_stops_with_an_error():
     """A loss that turns non-finite ends the job (exit 1) naming the batch, not a printed nan."""
     args = make_args("--world_size", "3", "--threads", "1", "--batch_size", "4",
                      "--image_size", "32", "--num_classes", "10", "--splits", "2",
                      "--num_batches", "2", "--lr", "1e30")
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(ProcessRaisedException) as failure:  # mp.spawn's report: the master's traceback
         distkit.launch(run_worker, args)
-    assert exit_info.value.code == 1
-    err = capfd.readouterr().err
-    assert re.search(r"FloatingPointError: the loss is (nan|inf) at batch \d with 2 splits", err), err
+    assert failure.value.error_index == 0
+    message = str(failure.value)
+    assert re.search(r"FloatingPointError: the loss is (nan|inf) at batch \d with 2 splits", message), message
 
 
 def test_feature_size_matches_the_model():
@@ -199,6 +238,7 @@ SMALL = ("--batch_size", "4", "--image_size", "32", "--num_batches", "1",
 
 
 def test_torchrun_launch():
+    """One rank a process, as torchrun starts them: the master's process prints the tutorial's lines."""
     proc = run_torchrun(3, "rpc_pipeline_resnet/main.py", *SMALL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "number of splits = 2, execution time = " in proc.stdout
@@ -269,10 +309,10 @@ def test_seed_fixes_the_weights_whatever_ran_before():
 
 
 def test_trace_is_each_ranks_profile_with_every_split_and_the_shards_work(traced):
-    """--trace: torch.profiler's Chrome trace of every rank, as distkit.Job writes it around
-    run_worker. The master's has every batch's loss, of every split value; each shard's has its
-    convolutions, which run on the RPC agent's threads (the profiler records them only when
-    asked for every thread: distkit/profiling.py)."""
+    """--trace: torch.profiler's Chrome trace of every rank, from run_worker's first line
+    (distkit.start_rank) to the rank's end. The master's has every batch's loss, of every split
+    value; each shard's has its convolutions, which run on the RPC agent's threads (the profiler
+    records them only when asked for every thread: distkit/profiling.py)."""
     _, trace_dir = traced
     events = {rank: json.loads((trace_dir / f"rank{rank}.json").read_text())["traceEvents"]
               for rank in range(3)}

@@ -11,6 +11,7 @@ import torch
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch.distributions import Categorical
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 import distkit
 from conftest import FLOAT32, checked_args, refused_before_launch, run_cli, run_torchrun
@@ -29,7 +30,7 @@ def test_discounted_returns_by_hand():
                                torch.tensor([2.71, 1.9, 1.0]))
 
 
-def _finish_episode_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict:
+def _finish_episode_worker(rank: int, args: argparse.Namespace) -> dict:
     """An agent with no observers; feed it two observers' episodes by hand."""
     rpc.init_rpc(AGENT_NAME, rank=0, world_size=1)
     torch.manual_seed(0)
@@ -82,12 +83,12 @@ def test_finish_episode_matches_hand_computation():
     assert out["left"] == 0  # the episode's rewards were cleared
 
 
-def _bookkeeping_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    if worker.rank != 0:
-        return run_worker(worker, args)  # an observer, exactly as in the example
-    rpc.init_rpc(AGENT_NAME, rank=0, world_size=worker.world_size)
+def _bookkeeping_worker(rank: int, args: argparse.Namespace) -> dict | None:
+    if rank != 0:
+        return run_worker(rank, args)  # an observer, exactly as in the example
+    rpc.init_rpc(AGENT_NAME, rank=0, world_size=args.world_size)
     torch.manual_seed(args.seed)
-    agent = (BatchAgent if args.batch else Agent)(worker.world_size, args.gamma, args.seed)
+    agent = (BatchAgent if args.batch else Agent)(args.world_size, args.gamma, args.seed)
     before = [p.detach().clone() for p in agent.policy.parameters()]
     episodes = []
     for _ in range(3):
@@ -157,12 +158,12 @@ class ParityPolicy(torch.nn.Module):
         return F.one_hot((x.double().sum(dim=1) * 1000).floor().long() % 2, 2).float()
 
 
-def _batched_observers_worker(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
-    if worker.rank != 0:
-        return run_worker(worker, args)  # observers, exactly as in the example
-    rpc.init_rpc(AGENT_NAME, rank=0, world_size=worker.world_size)
+def _batched_observers_worker(rank: int, args: argparse.Namespace) -> dict | None:
+    if rank != 0:
+        return run_worker(rank, args)  # observers, exactly as in the example
+    rpc.init_rpc(AGENT_NAME, rank=0, world_size=args.world_size)
     torch.manual_seed(args.seed)
-    agent = RecordingBatchAgent(worker.world_size, args.gamma, args.seed)
+    agent = RecordingBatchAgent(args.world_size, args.gamma, args.seed)
     take_logs = lambda: {r.owner().id: r.rpc_sync().take_log() for r in agent.ob_rrefs}  # noqa: E731
     # 1. one REINFORCE update from one batched episode of every observer; no dropout, so
     # that one process can recompute the policy's probabilities
@@ -208,7 +209,7 @@ def test_batched_agent_answers_each_observer_and_updates_like_one_process():
         assert not torch.equal(p, initial[name]), f"{name} did not move"
 
 
-def _nan_episode_worker(worker: distkit.Worker, args: argparse.Namespace) -> None:
+def _nan_episode_worker(rank: int, args: argparse.Namespace) -> None:
     """One observer's one-step episode: the normalised return is 0 / 0."""
     rpc.init_rpc(AGENT_NAME, rank=0, world_size=1)
     agent = Agent(world_size=1)
@@ -218,13 +219,12 @@ def _nan_episode_worker(worker: distkit.Worker, args: argparse.Namespace) -> Non
     agent.finish_episode()
 
 
-def test_a_non_finite_loss_stops_before_the_update(capfd):
+def test_a_non_finite_loss_stops_before_the_update():
     args = make_args()
     args.world_size = 1  # the agent alone
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(ProcessRaisedException) as failure:  # mp.spawn's report: the rank's traceback
         distkit.launch(_nan_episode_worker, args)
-    assert exit_info.value.code == 1
-    assert "FloatingPointError: the loss is nan at the end of an episode" in capfd.readouterr().err
+    assert "FloatingPointError: the loss is nan at the end of an episode" in str(failure.value)
 
 
 def _reinforce_in_one_process(seed: int, gamma: float, episodes: int) -> tuple[list[float], dict]:

@@ -86,9 +86,9 @@ def weights(model) -> dict[str, torch.Tensor]:
     return remote(model.emb_table_rref) | local | remote(model.decoder_rref)
 
 
-def keeping_weights(worker: distkit.Worker, args: argparse.Namespace) -> dict | None:
+def keeping_weights(rank: int, args: argparse.Namespace) -> None:
     """rpc_rnn's ``run_worker``, with the trainer's model's weights kept before and after
-    training, beside what ``run_trainer`` returns (the example keeps none)."""
+    training, beside what ``run_trainer`` returns (the example keeps none): its saved result."""
     import rpc_rnn.main as example
 
     built, run_trainer = [], example.run_trainer
@@ -104,7 +104,7 @@ def keeping_weights(worker: distkit.Worker, args: argparse.Namespace) -> dict | 
         return {**out, "initial": initial, "final": weights(model)}  # before rpc.shutdown()
 
     example.RNNModel, example.run_trainer = Kept, kept_run_trainer
-    return example.run_worker(worker, args)
+    example.run_worker(rank, args)
 
 
 def sharded_weights(model) -> dict[str, torch.Tensor]:
@@ -116,8 +116,9 @@ def sharded_weights(model) -> dict[str, torch.Tensor]:
             .detach().cpu().clone() for name, p in model.named_parameters()}
 
 
-def keeping_sharded_weights(worker: distkit.Worker, args: argparse.Namespace) -> dict:
-    """rpc_rnn/sharded.py's ``run_worker``, with the weights kept before and after training."""
+def keeping_sharded_weights(rank: int, args: argparse.Namespace) -> None:
+    """rpc_rnn/sharded.py's ``run_worker``, with the weights kept before and after training in each
+    rank's saved result."""
     import rpc_rnn.sharded as example
 
     run_trainer = example.run_trainer
@@ -127,7 +128,7 @@ def keeping_sharded_weights(worker: distkit.Worker, args: argparse.Namespace) ->
         return {**run_trainer(model, *a), "initial": initial, "final": sharded_weights(model)}
 
     example.run_trainer = kept_run_trainer
-    return example.run_worker(worker, args)
+    example.run_worker(rank, args)
 
 
 SMALL_RUN = [x for k, v in SIZES.items() for x in (f"--{k}", str(v))] + [
@@ -161,6 +162,7 @@ def test_run_trainer_matches_single_process_training():
     sharded_args = checked_args("rpc_rnn.sharded", *SMALL_RUN, "--dropout", "0", "--world_size", "3")
     for run_worker in (keeping_sharded_weights, functools.partial(on_cuda_optimizer_path, keeping_sharded_weights)):
         ranks = distkit.launch(run_worker, sharded_args)
+        assert sorted(ranks) == [0, 1, 2], ranks  # every rank saved its run
         for name, p in out["initial"].items():
             torch.testing.assert_close(ranks[0]["initial"][name], p, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
         for rank in ranks.values():

@@ -4,10 +4,15 @@ Each example README has a section "## Where each tutorial step is" with a table 
 read ``| tutorial step | `name` | [file.py#L<n>](file.py#L<n>) |``. A row's ``name`` (the
 first backticked text of its second cell) must appear on line ``n`` of ``file.py`` (a path
 relative to the README), so a map cannot rot when code moves: this test fails instead.
+
+The code side of the same promise: every program that launches ranks launches them as its tutorial
+does, ``mp.spawn(run_worker, ..., join=True)`` (or ``run_worker`` under torchrun), with nothing of
+distkit inside the tutorial's ``init_process_group`` call (``launch_problems``).
 """
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -344,17 +349,17 @@ def test_every_tutorial_name_is_in_the_code_or_named_in_what_differs(example):
 def test_a_renamed_function_without_a_difference_fails(tmp_path):
     (tmp_path / "main.py").write_text(
         "NUM = 4\n\n\ndef train(model: object, steps: int = 1) -> None:\n    pass\n\n\n"
-        "def run_worker(worker, args):\n    pass\n")
+        "def run_worker(rank, args):\n    pass\n")
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{HEADING}\n\n| step | code | where |\n|---|---|---|\n"
                       "| loop | `train` | [main.py#L4](main.py#L4) |\n\n"
-                      f"{DIFFERS}\n\n- **`distkit.launch`** starts the ranks.\n")
+                      f"{DIFFERS}\n\n- **`distkit.start_rank`** sets each rank up.\n")
     names = ["NUM = 4", "def train(model)", "def run_worker(rank, world_size)", "NUM = 8"]
     assert name_problems(readme, names) == [
         "def run_worker(rank, world_size): not so in main.py, and 'What differs' names no `run_worker`",
         "NUM = 8: not so in main.py, and 'What differs' names no `NUM`",
     ]
-    readme.write_text(readme.read_text() + "- **`run_worker(worker, args)`**, not `run_worker(rank, world_size)`.\n"
+    readme.write_text(readme.read_text() + "- **`run_worker(rank, args)`**, not `run_worker(rank, world_size)`.\n"
                       "- `NUM` is 4.\n")
     assert name_problems(readme, names) == []
 
@@ -369,3 +374,172 @@ def test_a_difference_told_on_the_docs_page_covers_a_tutorial_line(tmp_path):
     assert uncovered(readme, lines) == ["model.to(device)"]
     (tmp_path / "docs" / "ex.md").write_text(f"# ex\n\n{DIFFERS}\n\n- **`model.to(device)`** moves it.\n\n## Next\n")
     assert uncovered(readme, lines) == []
+
+
+# ---- every launch is the tutorial's: mp.spawn(run_worker, ..., join=True), or run_worker under torchrun ----
+
+# every program that launches ranks: the five main.py and the four beside them
+LAUNCH_SITES = ["rpc_rl/main.py", "ddp_rpc/main.py", "ddp_rpc/sharded.py", "rpc_rnn/main.py", "rpc_rnn/sharded.py",
+                "rpc_pipeline_resnet/main.py", "rpc_pipeline_resnet/pipelining.py",
+                "pipelining_transformer/main.py", "pipelining_transformer/train.py"]
+GONE_FLAGS = ("--ranks", "--master_addr", "--master_port")  # several machines are torchrun's
+GONE_NAMES = {"Job", "wrap"}  # the launcher that wrapped the tutorial's spawn
+
+
+def _dotted(node: ast.expr) -> str:
+    """``a.b.c`` for a name or an attribute chain, else ""."""
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}" if _dotted(node.value) else ""
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _distkit_names(tree: ast.Module) -> set[str]:
+    """The names this module reaches distkit by: ``distkit``, and what it imports from it."""
+    names = {"distkit"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "distkit":
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def init_process_group_problems(path: Path) -> list[str]:
+    """The ``init_process_group`` calls of ``path`` that hold a distkit value in their arguments: a
+    value the tutorial's call takes is computed in sight, on a line above it."""
+    tree = ast.parse(path.read_text())
+    ours = _distkit_names(tree)
+    found = []
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and _dotted(call.func).split(".")[-1] == "init_process_group":
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                used = sorted({_dotted(n) for n in ast.walk(arg) if isinstance(n, (ast.Name, ast.Attribute))
+                               and _dotted(n).split(".")[0] in ours})
+                used = [u for u in used if not any(v.startswith(f"{u}.") for v in used)]  # the whole chain
+                if used:
+                    found.append(f"{path.name}:{call.lineno}: init_process_group's arguments hold "
+                                 f"{', '.join(used)}: compute it on the line above")
+    return found
+
+
+def launch_problems(path: Path) -> list[str]:
+    """Why ``path`` does not launch as its tutorial does (empty: it does). Its ``run_worker(rank, args)``
+    opens with ``distkit.start_rank(rank, args)``; its one ``mp.spawn`` passes ``run_worker`` itself,
+    with ``join=True``; torchrun's process runs ``record(run_worker)``; ``run_worker`` is handed to
+    nothing else; no ``Job``, ``wrap`` or ``join=False``; no flag of the launcher that spread ranks
+    over machines; no distkit value inside an ``init_process_group`` call."""
+    tree = ast.parse(path.read_text())
+    found = []
+    worker = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run_worker"), None)
+    if worker is None:
+        return [f"{path.name}: no module-level run_worker"]
+    params = [a.arg for a in worker.args.args]
+    if params[:2] != ["rank", "args"]:
+        found.append(f"{path.name}: run_worker({', '.join(params)}), not run_worker(rank, args)")
+    body = worker.body[1:] if ast.get_docstring(worker) is not None else worker.body
+    first = body[0] if body else None
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+            and _dotted(first.value.func) == "distkit.start_rank"
+            and [ast.unparse(a) for a in first.value.args] == ["rank", "args"]):
+        found.append(f"{path.name}:{worker.lineno}: run_worker's first statement is not "
+                     f"distkit.start_rank(rank, args): {ast.unparse(first) if first else 'none'}")
+    spawns = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _dotted(n.func) in ("mp.spawn", "spawn")]
+    if len(spawns) != 1:
+        found.append(f"{path.name}: {len(spawns)} mp.spawn calls, not one")
+    handed = set()  # the nodes where run_worker is passed on as the tutorial passes it
+    for spawn in spawns:
+        join = {k.arg: k.value for k in spawn.keywords}.get("join")
+        if not (spawn.args and _dotted(spawn.args[0]) == "run_worker"):
+            found.append(f"{path.name}:{spawn.lineno}: {ast.unparse(spawn)} does not spawn run_worker itself")
+        else:
+            handed.add(spawn.args[0])
+        if not (isinstance(join, ast.Constant) and join.value is True):
+            found.append(f"{path.name}:{spawn.lineno}: {ast.unparse(spawn)} without join=True")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Call) and _dotted(node.func.func) == "record"
+                and [_dotted(a) for a in node.func.args] == ["run_worker"]):
+            handed.add(node.func.args[0])
+    if not any(isinstance(n, ast.Call) and isinstance(n.func, ast.Call) and n.func.args
+               and n.func.args[0] in handed for n in ast.walk(tree)):
+        found.append(f"{path.name}: no record(run_worker)(...) for a process torchrun started")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "run_worker" and node not in handed:
+            found.append(f"{path.name}:{node.lineno}: run_worker neither spawned nor run under record here")
+        if (isinstance(node, ast.Name) and node.id in GONE_NAMES) or (
+                isinstance(node, ast.Attribute) and node.attr in GONE_NAMES):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.keyword) and node.arg == "join" and not (
+                isinstance(node.value, ast.Constant) and node.value.value is True):
+            found.append(f"{path.name}:{node.value.lineno}: join={ast.unparse(node.value)}")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(GONE_FLAGS):
+            found.append(f"{path.name}:{node.lineno}: the flag {node.value}: several machines are torchrun's")
+    return found + init_process_group_problems(path)
+
+
+@pytest.mark.parametrize("site", LAUNCH_SITES)
+def test_every_launch_is_the_tutorials_spawn_or_torchrun(site):
+    assert not launch_problems(REPO / site), "\n".join(launch_problems(REPO / site))
+
+
+@pytest.mark.parametrize("site", LAUNCH_SITES)
+def test_no_launch_site_has_a_flag_of_the_launcher_over_machines(site):
+    """The parser as a user meets it, shared flags included: none of them, nor a flag that argparse
+    would take for one of them abbreviated."""
+    module = importlib.import_module(site.removesuffix(".py").replace("/", "."))
+    flags = [f for f in module.build_parser()._option_string_actions if f.startswith(GONE_FLAGS)]
+    assert not flags, flags
+
+
+EXAMPLE_SOURCES = sorted(p for e in EXAMPLES for p in (REPO / e).glob("*.py"))
+
+
+@pytest.mark.parametrize("source", EXAMPLE_SOURCES, ids=[str(p.relative_to(REPO)) for p in EXAMPLE_SOURCES])
+def test_no_distkit_value_inside_an_init_process_group_call(source):
+    assert not init_process_group_problems(source), "\n".join(init_process_group_problems(source))
+
+
+WRAPPED_LAUNCH = """
+import argparse
+import distkit
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_worker(rank: int, args: argparse.Namespace) -> None:
+    \"\"\"Doc.\"\"\"
+    distkit.start_rank(rank, args)
+    dist.init_process_group(backend="gloo", rank=rank, world_size=args.world_size)
+
+
+def main() -> None:
+    parser = distkit.ArgumentParser()
+    args = parser.parse_args()
+    if distkit.under_torchrun():
+        record(run_worker)(0, args)
+    else:
+        mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)
+"""
+
+
+def test_a_launch_wrapped_as_before_fails(tmp_path):
+    """The check itself can fail: the tutorial's launch passes, and each piece of the launcher that
+    wrapped it is found."""
+    site = tmp_path / "main.py"
+    site.write_text(WRAPPED_LAUNCH)
+    assert launch_problems(site) == []
+    site.write_text(WRAPPED_LAUNCH.replace(
+        "mp.spawn(run_worker, args=(args,), nprocs=args.world_size, join=True)",
+        "job.join(mp.spawn(job.wrap(run_worker), args=(args,), nprocs=args.world_size, join=False))").replace(
+        'backend="gloo"', "backend=distkit.agreed_backend(rank)").replace(
+        "    distkit.start_rank(rank, args)\n", "").replace(
+        "    args = parser.parse_args()", '    parser.add_argument("--master_addr")\n    args = parser.parse_args()'))
+    spawn = "mp.spawn(job.wrap(run_worker), args=(args,), nprocs=args.world_size, join=False)"
+    assert launch_problems(site) == [
+        "main.py:8: run_worker's first statement is not distkit.start_rank(rank, args): "
+        "dist.init_process_group(backend=distkit.agreed_backend(rank), rank=rank, world_size=args.world_size)",
+        f"main.py:20: {spawn} does not spawn run_worker itself",
+        f"main.py:20: {spawn} without join=True",
+        "main.py:15: the flag --master_addr: several machines are torchrun's",
+        "main.py:20: join=False",
+        "main.py:20: job.wrap",
+        "main.py:20: run_worker neither spawned nor run under record here",
+        "main.py:10: init_process_group's arguments hold distkit.agreed_backend: compute it on the line above",
+    ]

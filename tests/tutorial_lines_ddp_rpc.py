@@ -56,7 +56,7 @@ DDP_RPC_TUTORIAL = [
     ("dist_autograd.backward(context_id, [loss])", "4) distributed backward pass"),
     ("opt.step(context_id)", "5) distributed optimizer step"),
     ('print("Training done for epoch {}".format(epoch))', '`print("Training done for epoch {}")`'),
-    ("def run_worker(rank, world_size):", "**`run_worker(worker, args)`**, not `run_worker(rank, world_size)`"),
+    ("def run_worker(rank, world_size):", "**`run_worker(rank, args)`**, not `run_worker(rank, world_size)`"),
     ("rpc_backend_options = TensorPipeRpcBackendOptions()", "`TensorPipeRpcBackendOptions`"),
     ('rpc_backend_options.init_method = "tcp://localhost:29501"', "**No hard-coded ports.**"),
     ("if rank == 2:", "**The master's part is a function, `run_master(args)`**"),

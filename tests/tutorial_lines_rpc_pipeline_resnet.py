@@ -132,7 +132,7 @@ RPC_PIPELINE_RESNET_TUTORIAL = [
     ("dist_autograd.backward(context_id, [loss_fn(outputs, labels)])", "**The loss gets its own line**"),
     ("opt.step(context_id)", "Step 3: `opt.step(context_id)`"),
     ("def run_worker(rank, world_size, num_split):",
-     "**`run_worker(worker, args)`**, not `run_worker(rank, world_size, num_split)`"),
+     "**`run_worker(rank, args)`**, not `run_worker(rank, world_size, num_split)`"),
     ("os.environ['MASTER_ADDR'] = 'localhost'", _NO_PORT),
     ("os.environ['MASTER_PORT'] = '29500'", _NO_PORT),
     ("options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=128)",
