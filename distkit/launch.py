@@ -95,7 +95,7 @@ def _end_launcher(sig: int, frame: object) -> None:
 
 def save_result(rank: int, value: Any) -> None:
     """In a rank: leave ``value`` for the launcher's ``results()`` (under torchrun: this process's)."""
-    folder = os.environ.get(RESULTS)
+    folder = _results_folder()
     if folder is None:
         _kept.setdefault("results", {})[rank] = value
         return
@@ -106,7 +106,7 @@ def save_result(rank: int, value: Any) -> None:
 
 def results() -> dict[int, Any]:
     """After ``mp.spawn``: ``{rank: value}`` of what the ranks saved; under torchrun, this rank's."""
-    folder = os.environ.get(RESULTS)
+    folder = _results_folder()
     if folder is None:
         return _kept.pop("results", {})
     found = {int(name[:-3]): torch.load(os.path.join(folder, name), weights_only=False)
@@ -114,6 +114,11 @@ def results() -> dict[int, Any]:
     for name in os.listdir(folder):
         os.remove(os.path.join(folder, name))
     return found
+
+
+def _results_folder() -> str | None:
+    """The spawning launcher's folder; None under torchrun, whatever the environment it inherited holds."""
+    return None if under_torchrun() else os.environ.get(RESULTS)
 
 
 def launch(fn: Callable[[int, argparse.Namespace], Any], args: argparse.Namespace) -> dict[int, Any]:

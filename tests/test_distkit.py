@@ -208,6 +208,9 @@ def test_ranks_forked_from_the_server_see_the_launch_environment(ranks_forked_fr
 def _failing_worker(rank: int, args: argparse.Namespace) -> None:
     Path(args.pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
     if rank == 1:
+        deadline = time.monotonic() + 30  # rank 0's pid first: mp.spawn would end a rank 0 still starting
+        while not Path(args.pid_dir, "0.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         if args.how == "raise":
             raise ValueError("boom from rank 1")
         os.kill(os.getpid(), signal.SIGKILL)
