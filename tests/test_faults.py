@@ -108,7 +108,7 @@ def _signalled(job: Job, sig: signal.Signals, ctrl_c: bool) -> None:
         job.proc.send_signal(sig)
 
 
-def _ends_at_once(job: Job, signals: list[tuple[signal.Signals, bool]]) -> None:
+def _check_ends_at_once(job: Job, signals: list[tuple[signal.Signals, bool]]) -> None:
     """The signals, 0.2 s apart, end every process of ``job`` within ``ENDED`` s, the launcher by the first
     one (a shell reports 128 + it: 143, 130), and nothing prints a traceback."""
     processes = job.processes()
@@ -141,7 +141,7 @@ def test_a_signal_while_mp_spawn_starts_the_ranks_ends_every_process(how):
         assert len(job.workers()) == 4, job.text()
         time.sleep(1)  # into torch's import (a signal in an interpreter's first milliseconds meets SIG_DFL)
         assert "[rank" not in job.text(), job.text()  # not started yet: no rank has printed
-        _ends_at_once(job, SIGNALS[how])
+        _check_ends_at_once(job, SIGNALS[how])
     finally:
         job.kill()
 
@@ -155,7 +155,7 @@ def test_a_signal_during_training_ends_every_process(how):
     job = Job(ex.argv)
     try:
         job.wait_for(ex.ready)
-        _ends_at_once(job, SIGNALS[how])
+        _check_ends_at_once(job, SIGNALS[how])
     finally:
         job.kill()
 
@@ -166,7 +166,7 @@ def test_a_signal_to_a_process_group_job_ends_every_process():
     job = Job(ex.argv)
     try:
         job.wait_for(ex.ready)
-        _ends_at_once(job, SIGNALS["sigterm"])
+        _check_ends_at_once(job, SIGNALS["sigterm"])
     finally:
         job.kill()
 

@@ -105,7 +105,9 @@ def test_a_rank_that_holds_the_gil_ends_with_its_stack(capfd):
 @pytest.mark.timeout(120)
 def test_a_slow_but_progressing_run_is_not_stopped():
     """One forward a second for 8 s, with a 2.5 s bound: progress, not total time, is bounded."""
+    start = time.monotonic()
     distkit.launch(hang_worker.run_worker, hang_args("slow", "--seconds", "8", "--hang_timeout", "2.5"))
+    assert time.monotonic() - start >= 8  # past its bound three times over, and it ended normally
 
 
 @pytest.mark.timeout(120)
@@ -119,7 +121,9 @@ def test_a_checkpoint_save_counts_as_progress():
 def test_a_waiting_rank_is_kept_alive_by_its_pings():
     """Rank 1 only waits on rank 0 (an observer, a parameter server), 8 s under a 2 s bound: the answers
     to its pings (``distkit.wait_on``) are its progress."""
+    start = time.monotonic()
     distkit.launch(hang_worker.run_worker, hang_args("waits", "--seconds", "8", "--hang_timeout", "2"))
+    assert time.monotonic() - start >= 8  # past its bound four times over, and it ended normally
 
 
 @pytest.mark.timeout(300)
