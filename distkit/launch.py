@@ -60,8 +60,9 @@ def _end_on_signal() -> None:
     alone: a rank still importing torch has no parent-death signal yet, and outlived a SIGTERMed
     launcher by 28 s (measured: ``rpc_rl/main.py --world_size 4`` on 2 cores); and Ctrl+C, which
     reaches every process of the terminal's group, made each such rank print a KeyboardInterrupt
-    traceback. So this thread holds SIGINT back, and the ranks it spawns start with it held (a signal
-    mask survives fork and exec; ``start_rank`` lets it through). SIGINT then lands on another thread,
+    traceback. So this thread holds SIGINT back, and the ranks it spawns keep it held (a signal mask
+    survives fork and exec): a rank that took Ctrl+C began its shutdown, and a peer's RPC in flight
+    logged a traceback before the kill arrived. SIGINT then lands on another thread,
     which leaves the main one in ``mp.spawn``'s wait: Python's wakeup fd tells ``_end_ranks``, whose
     kills end that wait, and the main thread's handler then ends the process."""
     if "wakeup" not in _kept:  # one a process (a test's launches share it), made before SIGINT is held

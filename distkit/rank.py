@@ -77,7 +77,6 @@ def start_rank(rank: int, args: argparse.Namespace) -> None:
         return
     spawned = multiprocessing.parent_process()
     die_with_parent(spawned.pid if spawned else os.getppid())
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held from the launcher (prepare_spawn)
     _state["rank"] = rank
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     if is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1")) and "lo" in {n for _, n in socket.if_nameindex()}:
