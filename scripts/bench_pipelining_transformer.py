@@ -30,7 +30,8 @@ from pipeline_plan import plan
 import stagetrace
 
 HEADER = ["schedule", "split", "m", "step ms", "tokens/s", "local step ms", "local tokens/s", "speed-up",
-          "1-thread step ms", "balance", "bubble", "ideal bubble", "peak MB/rank", "local peak MB"]
+          "1-thread step ms", "x 1 thread", "bound", "balance", "bubble", "ideal bubble", "peak MB/rank",
+          "local peak MB"]
 QUICK_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B"]
 
 
@@ -134,13 +135,17 @@ def summarize(schedule: str, m: int, world_size: int, tokens: int, warmup: int,
                for r in ranks.values()]
     peaks = [ranks[k]["peak_mb"] for k in sorted(ranks)]
     compute = rank_compute(ranks, warmup)
+    ideal = plan(schedule, world_size, m).bubble
+    one_thread = median(step_seconds(local1["step_ends"], warmup))
     return {"schedule": schedule, "m": m, "step ms": 1e3 * step, "tokens/s": tokens / step,
             "local step ms": 1e3 * local_step, "local tokens/s": tokens / local_step,
             "speed-up": local_step / step,
-            "1-thread step ms": 1e3 * median(step_seconds(local1["step_ends"], warmup)),
+            "1-thread step ms": 1e3 * one_thread, "x 1 thread": one_thread / step,
+            # what p ranks could gain over one thread, messages free and stages equal: p (1 - ideal bubble)
+            "bound": world_size * (1 - ideal),
             "bubble": sum(bubbles) / len(bubbles),
             "balance": balance(compute),
-            "ideal bubble": plan(schedule, world_size, m).bubble,
+            "ideal bubble": ideal,
             "peak MB/rank": " / ".join(f"{p:.0f}" for p in peaks), "peak MB": max(peaks),
             "local peak MB": local["peak_mb"]}
 

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=None, help="solved at this running reward (default 475; quick 100)")
     p.add_argument("--max_episodes", type=int, default=1000, help="give up a solve run here")
     p.add_argument("--rtt_calls", type=int, default=500, help="timed RPC round trips")
+    p.add_argument("--only", choices=["speed", "solve"], default=None,
+                   help="run only the speed runs or only the solve runs (default: both)")
     return p
 
 
@@ -74,6 +76,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                "--rtt_calls": args.rtt_calls})
     if not 0 < threshold <= 500:  # the example's --reward_threshold range; false for nan too
         parser.error(f"--threshold must be in (0, 500], got {threshold}")
+    if args.only == "solve" and not solve_sizes:  # nothing would run
+        parser.error("--only solve needs --solve_sizes")
+    sizes = [] if args.only == "solve" else sizes  # --only: the other table's runs are left out
+    solve_sizes = [] if args.only == "speed" else solve_sizes
     # every run's flags first (speed runs: threshold 500, never "solved", so each runs all its episodes)
     speed_runs = [(ws, batch, rl_args(parser, ws, batch, speed_episodes, 500.0, args.seed))
                   for ws in sizes for batch in (False, True)]
@@ -94,8 +100,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "mode": "batch" if batch else "tutorial", "episodes": r["episodes"],
                      "env_steps": r["env_steps"], "steps/s": rate, "speed-up": rate / base,
                      "rpc bound steps/s": bound, "of bound": rate / bound})
-    print(format_table(["world_size", "observers", "mode", "episodes", "env_steps", "steps/s",
-                        "speed-up", "rpc bound steps/s", "of bound"], rows))
+    if rows:
+        print(format_table(["world_size", "observers", "mode", "episodes", "env_steps", "steps/s",
+                            "speed-up", "rpc bound steps/s", "of bound"], rows))
 
     curves, solve_rows = {}, []
     for ws, batch, run_args in solve_runs:
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # the agent's running reward after each episode (0.05 of each episode's minimum)
         curves[f"{ws - 1} obs, {mode}"] = list(itertools.accumulate(
             r["rewards"], lambda run, m: 0.05 * m + 0.95 * run, initial=0.0))[1:]
-        solve_rows.append({"table": "solve", "world_size": ws, "mode": mode,
+        solve_rows.append({"table": "solve", "world_size": ws, "observers": ws - 1, "mode": mode,
                            "solved": r["solved"], "episodes": r["episodes"],
                            "seconds": r["seconds"], "steps/s": r["env_steps"] / r["seconds"]})
     if solve_rows:

@@ -3,12 +3,19 @@ example's README command with ``--device cuda`` where the visible GPUs allow it,
 case, the GPUs it needs, passed / failed / skipped (why), seconds; then, on a GPU, the ResNet case's float32
 losses beside float64 (scripts/resnet_precision.py). Exits 1 if anything failed.
 
+The table is also recorded as JSON (results/gpu.json where a GPU ran the tier, or ``--record PATH``): the
+machine, torch, Python, the commit, the date, what the tier ran and its fingerprint (scripts/pages.py's), and
+each case. scripts/pages.py shows the newest record on docs/results.md.
+
     python scripts/gpu_check.py               # on the GPU machine, from the repository root
     python scripts/gpu_check.py --tier cpu    # the same harness on the CPU (the tier's cpu cases)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import json
 import os
 import platform
 import subprocess
@@ -20,6 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import pages  # noqa: E402
+
+RECORD = Path("results") / "gpu.json"  # from the repository's root; git ignores results/
+SOURCES = [*pages.EXAMPLES, "distkit", "tests/test_cuda.py", "scripts/gpu_check.py"]  # what the GPU tier runs
 NCCL = "NCCL: one GPU per process"
 COMMAND_TIMEOUT = 900  # s: the largest README command (ResNet50, batch 128) takes about a minute on a GPU
 
@@ -103,15 +115,62 @@ def command_rows(gpus: int) -> list[Row]:
     return rows
 
 
+def gpu_names() -> str:
+    """The visible GPUs and their driver, e.g. ``2 x NVIDIA H200 (driver 580.159.04)``; or ``no GPU``."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.device_count()):
+        return "no GPU"
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True)
+    if smi.returncode or not smi.stdout.strip():
+        return torch.cuda.get_device_name(0)
+    kinds: dict[str, int] = {}
+    for line in smi.stdout.strip().splitlines():
+        name, _, driver = line.rpartition(", ")
+        kind = f"{name} (driver {driver})"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return "; ".join(kind if n == 1 else f"{n} x {kind}" for kind, n in kinds.items())
+
+
 def machine() -> str:
     import torch
 
-    gpu = "no GPU"
-    if torch.cuda.is_available() and torch.cuda.device_count():
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True)
-        gpu = "; ".join(smi.stdout.strip().splitlines()) or torch.cuda.get_device_name(0)
-    return f"{gpu}; torch {torch.__version__}; Python {platform.python_version()}; {os.cpu_count()} cores"
+    return f"{gpu_names()}; torch {torch.__version__}; Python {platform.python_version()}; {os.cpu_count()} cores"
+
+
+def commit() -> str:
+    """This checkout's commit, ``+modified`` where its code (not a page) differs from it."""
+    git = ["git", "-C", str(REPO)]
+    try:
+        sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".", ":!*.md",
+                                ":!docs/"], capture_output=True, text=True).stdout.strip()
+    except OSError:  # no git on the GPU machine
+        return "unknown"
+    return f"{sha}+modified" if sha and dirty else sha or "unknown"
+
+
+def record_path(given: str | None, tier: str, gpus: int) -> Path | None:
+    """Where the record goes: ``--record``'s path; else results/gpu.json where a GPU ran the tier (a CPU
+    run is no GPU sitting: recorded there, pages.py would show it as one)."""
+    if given:
+        return Path(given)
+    return REPO / RECORD if tier == "cuda" and gpus else None
+
+
+def write_record(rows: list[Row], path: Path) -> dict:
+    """The table as JSON at ``path``, with the sitting and the fingerprint of what the tier ran."""
+    import torch
+
+    cases = [{**dataclasses.asdict(r), "gpus": int(r.gpus) if str(r.gpus).isdigit() else r.gpus,
+              "seconds": round(r.seconds, 1)} for r in rows]
+    record = {"machine": gpu_names(), "torch": torch.__version__, "python": platform.python_version(),
+              "cores": os.cpu_count(), "commit": commit(), "date": datetime.date.today().isoformat(),
+              "sources": SOURCES, "fingerprint": pages.fingerprint(SOURCES, torch.__version__), "cases": cases}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="cuda: the GPU tier and the README commands; cpu: the tier's cpu cases only")
     parser.add_argument("--cases", metavar="EXPR", help="only the tier's cases pytest -k EXPR selects")
     parser.add_argument("--no_commands", action="store_true", help="the tier only, not the README commands")
+    parser.add_argument("--record", metavar="PATH", default=None,
+                        help=f"write the table as JSON here (default: {RECORD} where a GPU ran the tier, "
+                             "else nothing)")
     args = parser.parse_args(argv)
     import torch
 
@@ -133,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':<{width}}  GPUs  {'seconds':>7}  result")
     for r in rows:
         print(f"{r.case:<{width}}  {r.gpus!s:>4}  {r.seconds:7.1f}  {r.result}")
+    if path := record_path(args.record, args.tier, gpus):
+        write_record(rows, path)
+        print(f"recorded in {path}")
     if gpus:  # what settles the ResNet case's float32 question (docs/results.md): this GPU beside float64
         print("\n--- scripts/resnet_precision.py --device cuda (for docs/results.md, 'On a GPU')", flush=True)
         subprocess.run([sys.executable, "scripts/resnet_precision.py", "--device", "cuda"], cwd=REPO)

@@ -1,4 +1,5 @@
-"""Draw the pictures the example READMEs embed (docs/pictures/), each from real runs on this machine.
+"""Draw the pictures the example READMEs embed, each from real runs on this machine: scripts/pages.py draws
+them into docs/pictures/ (only the generator writes docs/); by hand they go to the git-ignored results/.
 
 Parity, one per example (``<example>_parity.png``): the distributed run's loss per step (rpc_rl: reward
 per episode), solid, and the same training in one process, dashed or as markers, on one plot. The
@@ -16,7 +17,7 @@ ResNet50 halves pipelined by RPC, main.py, each shard's blocks timed by hooks, a
 torch.distributed.pipelining's GPipe and 1F1B, pipelining.py, by stagetrace). Each panel shows the step
 whose slowest rank took the median time of a few: on a shared machine one step can be far off.
 
-    .venv/bin/python scripts/make_pictures.py                          # all, into docs/pictures/ (about 2 minutes)
+    .venv/bin/python scripts/make_pictures.py                          # all, into results/pictures/
     .venv/bin/python scripts/make_pictures.py --quick --out /tmp/pics  # small sizes (tests/test_pictures.py)
     .venv/bin/python scripts/make_pictures.py --only rpc_rl_parity.png
 
@@ -54,7 +55,7 @@ PARITY = ("rpc_rl_parity.png", "ddp_rpc_parity.png", "rpc_rnn_parity.png", "rpc_
           "pipelining_transformer_parity.png")
 SCHEDULES = ("pipelining_transformer_schedules.png", "rpc_pipeline_resnet_schedules.png")
 PICTURES = PARITY + SCHEDULES  # every file this script writes, the names the READMEs embed
-OUT = REPO / "docs" / "pictures"
+OUT = REPO / "results" / "pictures"  # git-ignored: scripts/pages.py draws the pages' into docs/pictures/
 # float32 results compared across processes, which may add in another order (never this machine's last bits)
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 FIGSIZE, DPI = (8, 4), 100

@@ -1,14 +1,19 @@
 """scripts/gpu_check.py, the GPU owner's one command, on the CPU: its table from the GPU tier's own cases
-(their cpu tier), and the README commands it would run for 0, 1 and 2 GPUs."""
+(their cpu tier), the README commands it would run for 0, 1 and 2 GPUs, and the table's JSON record."""
 from __future__ import annotations
 
+import json
+import os
 import re
 import sys
+
+import torch
 
 from conftest import REPO, run_cli
 
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
+import pages  # noqa: E402
 
 
 def test_the_table_has_a_row_per_case_with_its_gpus_result_and_seconds():
@@ -47,3 +52,25 @@ def test_a_failed_case_makes_the_check_exit_1(monkeypatch, capsys):
     assert "GPU check: 1 passed, 1 skipped, 1 failed" in capsys.readouterr().out
     monkeypatch.setattr(gpu_check, "tier_rows", lambda *args: [])
     assert gpu_check.main(["--tier", "cpu"]) == 1  # nothing ran: not a pass
+
+
+def test_the_table_is_recorded_as_json_with_its_sitting_and_fingerprint(monkeypatch, tmp_path):
+    """scripts/pages.py shows the record on docs/results.md, and says it is not re-run once the fingerprint
+    of what the tier ran is another's: the record names those sources and their fingerprint."""
+    rows = [gpu_check.Row("test_a[cuda-1]", "1", "passed", 1.04), gpu_check.Row("python x.py", 2, "skipped: NCCL", 0.0)]
+    monkeypatch.setattr(gpu_check, "tier_rows", lambda *args: list(rows))
+    path = tmp_path / "gpu.json"
+    assert gpu_check.main(["--tier", "cpu", "--record", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["cases"] == [{"case": "test_a[cuda-1]", "gpus": 1, "result": "passed", "seconds": 1.0},
+                               {"case": "python x.py", "gpus": 2, "result": "skipped: NCCL", "seconds": 0.0}]
+    assert record["sources"] == ["rpc_rl", "rpc_rnn", "ddp_rpc", "rpc_pipeline_resnet", "pipelining_transformer",
+                                 "distkit", "tests/test_cuda.py", "scripts/gpu_check.py"]
+    assert record["fingerprint"] == pages.fingerprint(record["sources"], torch.__version__)
+    assert (record["machine"], record["torch"], record["cores"]) == (gpu_check.gpu_names(), torch.__version__,
+                                                                     os.cpu_count())
+    assert re.fullmatch(r"[0-9a-f]{7,}(\+modified)?", record["commit"]), record["commit"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", record["date"]), record["date"]
+    # without --record, only a GPU's run is recorded (at results/gpu.json): a CPU run is no GPU sitting
+    assert gpu_check.record_path(None, "cpu", 0) is None and gpu_check.record_path(None, "cuda", 0) is None
+    assert gpu_check.record_path(None, "cuda", 1) == REPO / "results" / "gpu.json"

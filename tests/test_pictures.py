@@ -96,13 +96,13 @@ def test_every_picture_a_page_embeds_is_one_the_script_writes():
     for page, link, target in embedded_pictures():
         where = f"{page.relative_to(REPO)} embeds {link}"
         assert target.name in make_pictures.PICTURES, f"{where}: scripts/make_pictures.py writes no such picture"
-        assert target.is_file(), f"{where}: missing (.venv/bin/python scripts/make_pictures.py makes it)"
+        assert target.is_file(), f"{where}: missing (.venv/bin/python scripts/pages.py draws it)"
 
 
 @pytest.mark.fast
 def test_the_pictures_the_script_writes_are_in_the_repository():
     for name in make_pictures.PICTURES:
-        assert (make_pictures.OUT / name).is_file(), f"docs/pictures/{name}: run scripts/make_pictures.py"
+        assert (REPO / "docs" / "pictures" / name).is_file(), f"docs/pictures/{name}: run scripts/pages.py"
 
 
 @pytest.mark.fast
