@@ -12,7 +12,7 @@ printed below it, up to the block's end marker, with a checksum that catches a h
     ...the command's output, then a hidden line: the part's fingerprint and sitting...
     <!-- [[[end]]] (sum: ...) -->
 
-Its last block, ``pages.sitting()``, names the page's sitting(s). The fingerprint is a hash of what the
+Its last block, ``pages.sitting_line()``, names the page's sitting(s). The fingerprint is a hash of what the
 part ran (its example's code, distkit/, the measuring script, without comments and docstrings) and of
 torch's version: tests/test_generated.py recomputes it, and fails, naming the refresh command, once the
 code has changed since. The same test re-runs every output block's command and compares, by ``same``,
@@ -37,6 +37,7 @@ import shlex
 import subprocess
 import sys
 import tokenize
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -114,10 +115,10 @@ def _commit() -> str:
     return f"{sha or 'no commit'}{' (modified)' if dirty else ''}"
 
 
-def sitting(threads: str = "the default threads (cores / processes)") -> str:
+def sitting(threads: str | None) -> str:
     import torch
 
-    return (f"{datetime.date.today().isoformat()}, commit {_commit()}, {_machine()}, {threads}, "
+    return (f"{datetime.date.today().isoformat()}, commit {_commit()}, {_machine()}, {threads or 'default threads'}, "
             f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
@@ -144,21 +145,42 @@ def _kept(example: str) -> bool:
     return bool(only) and only != example
 
 
-def _part(example: str, sources: Sequence[str], write, threads: str | None = None, gpu: bool = False) -> None:
-    """Write a part through ``write(out)`` and its hidden line; or keep it, where another example's run."""
+_failed: list[str] = []  # the parts whose run raised: kept as they were, and the generator exits 1
+
+
+def _importable() -> None:
+    """The repo's root, scripts/ and tests/ on ``sys.path`` (the benchmarks and make_pictures import from
+    them, and cog restores ``sys.path`` after each page)."""
+    for folder in (REPO / "tests", REPO / "scripts", REPO):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+
+
+def _part(example: str, sources: Sequence[str], write, threads: str | None = None) -> None:
+    """Write a part through ``write(out)`` and its hidden line; or keep it as it was: where this run
+    regenerates another example's parts, or where its run raised (reported, and the exit status is 1)."""
     import torch
 
     cog = _cog()
-    if _kept(example):
+    lines: list[str] = []
+    if not _kept(example):
+        _importable()
+        try:
+            write(lines.append)
+        except (Exception, SystemExit):  # a failed run, or a script's exit (a parity picture that disagrees)
+            traceback.print_exc()
+            _failed.append(f"{cog.inFile}:{cog.firstLineNum}")
+            lines = []
+    if lines:
+        meta = {"example": example, "sources": list(sources), "torch": torch.__version__,
+                "fingerprint": fingerprint(sources, torch.__version__), "sitting": sitting(threads)}
+        for line in lines:
+            cog.outl(line)
+        cog.outl(f"<!-- part: {json.dumps(meta)} -->")
+    else:
         cog.out(cog.previous)
         found = PART.search(cog.previous)
         meta = json.loads(found.group(1)) if found else {"sitting": "not generated"}
-    else:
-        meta = {"example": example, "sources": list(sources), "torch": torch.__version__,
-                "fingerprint": fingerprint(sources, torch.__version__),
-                "sitting": sitting(threads) if threads else sitting()}
-        meta.update(write(cog.outl) or {})
-        cog.outl(f"<!-- part: {json.dumps(meta)} -->")
     _seen.setdefault(cog.inFile, []).append((_heading(), meta["sitting"]))
 
 
@@ -174,7 +196,20 @@ def output(example: str, command: str, head: int | None = 1, tail: int | None = 
             out(line)
         out("```")
 
-    _part(example, sources_of(example), write)
+    _part(example, sources_of(example), write, _threads(example, command))
+
+
+# each example's processes where its command does not say (main.py's default --world_size)
+PROCESSES = {"rpc_rl": 2, "rpc_rnn": 2, "ddp_rpc": 4, "rpc_pipeline_resnet": 3, "pipelining_transformer": 2}
+
+
+def _threads(example: str, command: str) -> str:
+    """The intra-op threads each process of ``command`` takes by default: distkit's share of the cores."""
+    import distkit
+
+    found = re.search(r"--(?:world_size|nproc_per_node)[ =](\d+)", command)
+    n = distkit.threads_per_process(int(found.group(1)) if found else PROCESSES[example])
+    return f"{n} thread{'s' if n > 1 else ''} a process"
 
 
 def table(example: str, script: str, argv: Sequence[str], columns: dict[str, str], plot: str | None = None,
@@ -206,7 +241,7 @@ def timings(commands: Sequence[str]) -> None:
             out(f"| `{command}` | {seconds:.1f} s |" if seconds < 120 else f"| `{command}` | {seconds / 60:.1f} min |")
 
     _part("all", ["rpc_rl", "rpc_rnn", "ddp_rpc", "rpc_pipeline_resnet", "pipelining_transformer", "distkit"],
-          write)
+          write, "each command's default threads (cores / processes)")
 
 
 def picture(example: str, name: str, alt: str) -> None:
@@ -217,8 +252,14 @@ def picture(example: str, name: str, alt: str) -> None:
         make_pictures.main(["--only", name, "--out", str(REPO / "docs" / "pictures")])
         out(f"![{alt}]({os.path.relpath(REPO / 'docs' / 'pictures' / name, Path(_cog().inFile).parent)})")
 
-    _part(example, sources_of(example, "scripts/make_pictures.py", "scripts/stagetrace.py"), write,
-          "1 thread a process")
+    _part(example, sources_of(example, "scripts/make_pictures.py", "scripts/stagetrace.py", *REFERENCES[example]),
+          write, "1 thread a process")
+
+
+# where make_pictures takes each example's one-process curve from: the tests' own reference
+REFERENCES = {"rpc_rl": ["tests/test_rpc_rl.py"], "ddp_rpc": ["tests/test_ddp_rpc.py"], "rpc_rnn": ["tests/test_rpc_rnn.py"],
+              "rpc_pipeline_resnet": ["tests/test_resnet_two_pipelines.py"],
+              "pipelining_transformer": ["tests/test_pipelining_transformer.py"]}
 
 
 def gpu() -> None:
@@ -310,14 +351,15 @@ def _stream(line: str) -> str:
 
 def shown(lines: Sequence[str], head: int | None, tail: int | None) -> list[str]:
     """What a block keeps of ``lines``: each rank's first ``head`` and last ``tail`` lines (None: all),
-    in the order printed, with one ``[rank N] ...`` where that rank's lines were left out."""
+    in the order printed, with one ``[rank N] ...`` where that rank's lines were left out; every line of
+    no rank (what ``main`` prints once the ranks are done)."""
     by_stream: dict[str, list[int]] = {}
     for i, line in enumerate(lines):
         by_stream.setdefault(_stream(line), []).append(i)
     kept: set[int] = set()
     elided: dict[int, str] = {}
     for prefix, idx in by_stream.items():
-        if head is None or tail is None or len(idx) <= head + tail:
+        if not prefix or head is None or tail is None or len(idx) <= head + tail:
             kept.update(idx)
             continue
         kept.update(idx[:head] + idx[len(idx) - tail:])
@@ -427,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO)
     start = datetime.datetime.now()
     status = Cog().main(["cog", "-r", "-c", "-p", "import pages", *targets])
+    failed = sys.modules["pages"]._failed if "pages" in sys.modules else []
+    if failed:
+        print(f"# pages.py: these parts' runs failed, kept as they were: {', '.join(failed)}", file=sys.stderr)
+        status = status or 1
     print(f"# pages.py: {len(targets)} page(s) in {(datetime.datetime.now() - start).total_seconds():.0f} s",
           file=sys.stderr)
     return status
