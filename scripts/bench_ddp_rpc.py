@@ -86,6 +86,14 @@ def versus(parser: argparse.ArgumentParser, args: argparse.Namespace, iters: int
         runs.append((n, example_args(parser, ddp_main, [*flags, "--world_size", str(n + 2)]),
                      example_args(parser, sharded, [*flags, "--world_size", str(n)])))
     print(describe_machine(max(rank_counts) + 2, 1))
+    try:
+        rows = _versus_rows(args, iters, tables, runs, batch)
+    finally:  # the table's size back to the example's: another run in this process (the pages' next table)
+        set_table(*TABLES["default"])
+    return print_versus(rows, "every rank's batch through one table and fc, one SGD step")
+
+
+def _versus_rows(args: argparse.Namespace, iters: int, tables: list[str], runs: list[tuple], batch: int) -> list[dict]:
     rows = []
     for table in tables:
         rows_dim = TABLES[table]
@@ -103,7 +111,7 @@ def versus(parser: argparse.ArgumentParser, args: argparse.Namespace, iters: int
             rows.append(versus_row(name, "DTensor (sharded.py)", n, sharded_ms, local, bound))
             # the ranks trained the table asked for (the master's summary, rank 0's)
             assert rpc_out[n]["emb_after"].shape == sharded_out[0]["emb_after"].shape == rows_dim
-    return print_versus(rows, "every rank's batch through one table and fc, one SGD step")
+    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,7 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # 5 s --hang_timeout fire in a first training step; so multihost goes to whichever ends first of slurm
 # and faults, which take about as long
 LONGEST_FIRST = ["test_slurm.py", "test_faults.py", "test_multihost.py", "test_quiet_output.py",
-                 "test_hangs.py"]  # 164, 157, 194, 154 and 102 s of 1,307
+                 "test_hangs.py", "test_generated.py"]  # each a few minutes of processes (its re-run blocks)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
