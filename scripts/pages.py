@@ -4,6 +4,8 @@ written here, from a run, by cog (cogapp), and names the sitting it came from.
     .venv/bin/python scripts/pages.py                    # every page: a full sitting
     .venv/bin/python scripts/pages.py rpc_rnn            # one example's parts, on every page
     .venv/bin/python scripts/pages.py docs/results.md    # one page
+    PAGES_ONLY=--sweep .venv/bin/python scripts/pages.py docs/pipelining_transformer_benchmark.md
+                                                         # that page's tables whose flags hold "--sweep"
 
 A page holds cog blocks, hidden from its reader in HTML comments; cog runs each and writes what it
 printed below it, up to the block's end marker, with a checksum that catches a hand edit::
@@ -27,7 +29,6 @@ import base64
 import datetime
 import functools
 import hashlib
-import importlib
 import io
 import json
 import os
@@ -139,10 +140,11 @@ def _heading() -> str:
     return next((line.lstrip("#").strip() for line in reversed(lines) if line.startswith("#")), "")
 
 
-def _kept(example: str) -> bool:
-    """Keep this part as it is: this run regenerates another example's parts only."""
+def _kept(example: str, detail: str = "") -> bool:
+    """Keep this part as it is: this run regenerates another example's parts only, or the tables whose
+    script and flags hold the text it was given (``PAGES_ONLY=--sweep``)."""
     only = os.environ.get(ONLY)
-    return bool(only) and only != example
+    return bool(only) and only != example and only not in detail
 
 
 _failed: list[str] = []  # the parts whose run raised: kept as they were, and the generator exits 1
@@ -156,14 +158,14 @@ def _importable() -> None:
             sys.path.insert(0, str(folder))
 
 
-def _part(example: str, sources: Sequence[str], write, threads: str | None = None) -> None:
+def _part(example: str, sources: Sequence[str], write, threads: str | None = None, detail: str = "") -> None:
     """Write a part through ``write(out)`` and its hidden line; or keep it as it was: where this run
     regenerates another example's parts, or where its run raised (reported, and the exit status is 1)."""
     import torch
 
     cog = _cog()
     lines: list[str] = []
-    if not _kept(example):
+    if not _kept(example, detail):
         _importable()
         try:
             write(lines.append)
@@ -218,7 +220,7 @@ def table(example: str, script: str, argv: Sequence[str], columns: dict[str, str
     ``columns`` (a row's key -> the heading shown), floats to 3 significant digits; ``plot``: where the
     same run draws its picture (docs/results/..., which only this generator writes)."""
     def write(out) -> None:
-        rows = importlib.import_module(script).main([*argv, *(["--plot", str(REPO / plot)] if plot else [])])
+        rows = _rows(script, [*argv, *(["--plot", str(REPO / plot)] if plot else [])])
         out("| " + " | ".join(columns.values()) + " |")
         out("|" + "---|" * len(columns))
         for row in rows:
@@ -226,7 +228,24 @@ def table(example: str, script: str, argv: Sequence[str], columns: dict[str, str
         out("")
         out(f"Measured by `.venv/bin/python scripts/{script}.py {shlex.join(argv)}`.")
 
-    _part(example, sources_of(example, f"scripts/{script}.py", "scripts/benchlib.py", *extra), write, threads)
+    _part(example, sources_of(example, f"scripts/{script}.py", "scripts/benchlib.py", *extra), write, threads,
+          f"{script} {' '.join(argv)}")
+
+
+ROWS = "# pages.py rows: "
+
+
+def _rows(script: str, argv: list[str]) -> list[dict]:
+    """``scripts/<script>.py``'s ``main(argv)``, in a process of its own, as a user runs it: a rank's peak
+    memory would otherwise start at this long-lived generator's (Linux keeps ``ru_maxrss`` across the
+    exec of a spawned process), and a run would see what the one before it left in its modules."""
+    code = (f"import json, sys; sys.path[:0] = [{str(REPO / 'scripts')!r}, {str(REPO)!r}]; import {script}; "
+            f"print({ROWS!r} + json.dumps({script}.main(json.loads(sys.argv[1])), default=str))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    print(done.stdout, end="")
+    if done.returncode:
+        raise RuntimeError(f"scripts/{script}.py {' '.join(argv)} exited {done.returncode}")
+    return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith(ROWS))[len(ROWS):])
 
 
 def timings(commands: Sequence[str]) -> None:
