@@ -142,8 +142,8 @@ def test_a_change_of_code_makes_a_part_stale_and_a_comment_does_not(tmp_path):
 
 # ---- figures only where generated ----
 
-FIGURE = re.compile(r"\b\d[\d,.]*(?:\s?(?:s|ms|min|minutes|seconds|hours?|B|KB|MB|GB|KiB|MiB|GiB|%)|x|×)(?!\w)|"
-                    r"\bper second\b|\b\d[\d,.]*\s?(?:it|steps|iterations|episodes|images)/s\b")
+FIGURE = re.compile(r"\b\d(?:[\d,.]*\d)?(?:\s?(?:s|ms|min|minutes|seconds|hours?|B|KB|MB|GB|KiB|MiB|GiB|%)|x|×)(?!\w)|"
+                    r"\b\d(?:[\d,.]*\d)?\s?(?:it|steps|iterations|episodes|images)(?:/s| a second| per second)\b")
 # a configured value, not a measured one: a flag's default, a timeout, a grace, a bound, a sleep
 CONFIGURED = re.compile(r"timeout|grace|bound|default|--\w+|sleep|wait|after|every|limit|margin|interval|"
                         r"at most|up to|tolerance|within", re.I)
